@@ -1,0 +1,13 @@
+"""MistralForCausalLM: Llama without bias, every layer windowed when sliding_window is set."""
+
+from graphkiln.models.config import parse_dense
+from graphkiln.models.registry import ModelFamily, register
+
+
+def _parse(raw: dict):
+    layers = int(raw.get("num_hidden_layers", 0))
+    window = raw.get("sliding_window")
+    return parse_dense(raw, "MistralForCausalLM", qkv_bias=False, o_bias=False, layer_windows=(window,) * layers)
+
+
+FAMILY = register(ModelFamily("MistralForCausalLM", _parse))

@@ -1,0 +1,57 @@
+"""Architecture name (config.json ``architectures[0]``) -> model family.
+
+A family is a small module that turns a raw HF config dict into a ``DecoderConfig`` and
+maps our parameter names to checkpoint tensor names. Families register on import; the
+registry imports the built-in ones lazily so ``graphkiln.models`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.models.config import DecoderConfig
+
+_BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How one HF architecture becomes an export-friendly decoder."""
+
+    architecture: str
+    parse_config: Callable[[dict], DecoderConfig]
+    # Our parameter name -> the checkpoint's tensor name. Identity for the Llama-style
+    # families because our module tree mirrors HF's names on purpose.
+    checkpoint_name: Callable[[str], str] = lambda name: name
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    _FAMILIES[family.architecture] = family
+    return family
+
+
+def _load_builtins() -> None:
+    for name in _BUILTIN_FAMILY_MODULES:
+        importlib.import_module(f"graphkiln.models.{name}")
+
+
+def supported_architectures() -> list[str]:
+    _load_builtins()
+    return sorted(_FAMILIES)
+
+
+def family_for(architecture: str) -> ModelFamily:
+    _load_builtins()
+    try:
+        return _FAMILIES[architecture]
+    except KeyError:
+        raise GraphkilnError(
+            f"unsupported architecture '{architecture}': graphkiln exports "
+            f"{', '.join(supported_architectures())}"
+        ) from None

@@ -1,0 +1,74 @@
+"""One onnxruntime session for the decoder graph, bound to a ``KVCache`` by tensor role."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.manifest import GraphSpec
+from graphkiln.runtime.state import KVCache
+
+_REQUIRED_INPUT_ROLES = {"input_ids", "position_ids", "logits_index", "past_key", "past_value"}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes  # numpy has no bfloat16; onnxruntime ships ml_dtypes-compatible buffers
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class DecoderGraph:
+    """Runs prefill and decode steps; reads the cache prefix ``[:n]`` and writes new rows into it."""
+
+    def __init__(self, artifact_dir: Path, spec: GraphSpec, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        roles = {t.role for t in spec.inputs}
+        if not _REQUIRED_INPUT_ROLES <= roles:
+            raise GraphkilnError(f"graph '{spec.name}' lacks inputs {sorted(_REQUIRED_INPUT_ROLES - roles)}: re-export the artifact")
+        self.spec = spec
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or os.cpu_count() or 1
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise GraphkilnError(
+                f"onnxruntime cannot load {spec.file} ({str(exc).splitlines()[0][:200]}): "
+                "re-export the artifact (for CPU use --dtype fp32 or fp16)"
+            ) from None
+        self.past = {(t.role, t.layer): t.name for t in spec.inputs if t.layer is not None}
+        self.outputs = [t.name for t in spec.outputs]
+        self.new = [(t.role, t.layer) for t in spec.outputs]
+
+    def run(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray,
+            logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """One forward over the first n=len(input_ids) cache rows; returns logits [n, n_logits, vocab].
+
+        Row b holds ``lengths[b]`` real tokens starting at position ``position_ids[b, 0]``;
+        its new K/V rows are stored in the cache before returning.
+        """
+        n = input_ids.shape[0]
+        keys, values = cache.views(n)
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
+        for (role, layer), name in self.past.items():
+            feeds[name] = keys[layer] if role == "past_key" else values[layer]
+        outs = self.session.run(self.outputs, feeds)
+        starts = position_ids[:, 0]
+        new: dict[int, dict[str, np.ndarray]] = {}
+        logits = None
+        for (role, layer), value in zip(self.new, outs):
+            if role == "logits":
+                logits = value
+            else:
+                new.setdefault(layer, {})[role] = value
+        for layer, kv in new.items():
+            cache.write(layer, kv["new_key"], kv["new_value"], starts, lengths)
+        return logits

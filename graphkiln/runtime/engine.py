@@ -1,0 +1,236 @@
+"""``Engine``: load an artifact and generate from it (batching, sampling, stops, streaming)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from graphkiln.artifact import verify_checksums
+from graphkiln.errors import GraphkilnError
+from graphkiln.manifest import Manifest
+from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
+from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
+from graphkiln.runtime.sampling import SamplingParams, log_softmax, select_token, top_logprobs
+from graphkiln.runtime.state import KVCache
+from graphkiln.runtime.tokenizer import Tokenizer, stable_text
+
+KNOWN_STATE_KINDS = {"kv"}
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class _Request:
+    """Mutable per-request state for one generate call; row = its current cache row."""
+
+    index: int
+    prompt_ids: list[int]
+    budget: int
+    rng: np.random.Generator
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of text already streamed
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+
+class Engine:
+    def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None) -> None:
+        self.artifact_dir = artifact_dir
+        self.manifest = manifest
+        unknown = {s.kind for s in manifest.states} - KNOWN_STATE_KINDS
+        if unknown:
+            raise GraphkilnError(f"artifact needs state kind(s) {sorted(unknown)} this runtime does not support: upgrade graphkiln")
+        self.decoder = DecoderGraph(artifact_dir, manifest.graph("decoder"), threads)
+        self.state_dtype = numpy_dtype(manifest.states[0].dtype)
+        self.max_seq_len = min(s.max_seq_len for s in manifest.states)
+        tok = artifact_dir / "tokenizer.json"
+        self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True) -> "Engine":
+        """Open an artifact. ``check_files`` verifies every file's sha256 against the manifest."""
+        root = Path(artifact_dir)
+        if not root.is_dir():
+            raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
+        manifest = Manifest.read(root)
+        if check_files:
+            verify_checksums(root, manifest)
+        return cls(root, manifest, threads)
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GraphkilnError("this artifact has no tokenizer.json: pass token ids (--prompt-ids) instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise GraphkilnError("prompt is empty: give at least one token")
+        vocab = self.manifest.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise GraphkilnError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}): check the ids")
+        if len(ids) >= self.max_seq_len:
+            raise GraphkilnError(
+                f"prompt has {len(ids)} tokens but the artifact's maximum sequence length is {self.max_seq_len}: "
+                "shorten the prompt or re-export with a larger --max-seq-len"
+            )
+        return ids
+
+    def _resolve(self, config: GenerationConfig | None) -> tuple[GenerationConfig, SamplingParams]:
+        d = self.manifest.generation
+        c = config or GenerationConfig()
+        c = replace(
+            c,
+            max_new_tokens=d.max_new_tokens if c.max_new_tokens is None else c.max_new_tokens,
+            stop_token_ids=d.eos_token_ids if c.stop_token_ids is None else tuple(c.stop_token_ids),
+        )
+        if c.max_new_tokens < 0:
+            raise GraphkilnError("max_new_tokens must be >= 0")
+        params = SamplingParams(
+            do_sample=d.do_sample if c.do_sample is None else c.do_sample,
+            temperature=d.temperature if c.temperature is None else c.temperature,
+            top_k=d.top_k if c.top_k is None else c.top_k,
+            top_p=d.top_p if c.top_p is None else c.top_p,
+        )
+        if not 0 < params.top_p <= 1 or params.top_k < 0 or params.temperature < 0:
+            raise GraphkilnError("sampling settings out of range: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        if c.stop_strings and self.tokenizer is None:
+            raise GraphkilnError("stop strings need a tokenizer and this artifact has none: use stop token ids")
+        return c, params
+
+    # -- generation -----------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None) -> list[GenerationResult]:
+        prompts = self._as_batch(prompts)
+        results: list[GenerationResult] = []
+        reqs: list[_Request] = []
+        for event in self._run(prompts, config, reqs):
+            pass
+        for r in reqs:
+            c = config or GenerationConfig()
+            results.append(
+                GenerationResult(
+                    prompt_ids=r.prompt_ids,
+                    token_ids=r.tokens,
+                    text=r.text if self.tokenizer else None,
+                    finish_reason=r.finish_reason,
+                    logprobs=r.logprobs if c.logprobs is not None else None,
+                    logits=np.stack(r.logits) if r.logits else None,
+                )
+            )
+        return results
+
+    def stream(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
+        """Yield tokens as they are produced; closing the iterator cancels the remaining work."""
+        return self._run(self._as_batch(prompts), config, [])
+
+    @staticmethod
+    def _as_batch(prompts) -> list[Prompt]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            return [prompts]
+        return list(prompts)
+
+    def prompt_logits(self, prompt_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill."""
+        ids = [self.encode(p) for p in prompt_ids]
+        cache = KVCache(self.manifest.states, len(ids), max(map(len, ids)), self.state_dtype)
+        longest = max(map(len, ids))
+        logits = self._prefill(cache, ids, np.tile(np.arange(longest), (len(ids), 1)))
+        return [logits[b, : len(p)] for b, p in enumerate(ids)]
+
+    def _prefill(self, cache: KVCache, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
+        n, longest = len(ids), max(map(len, ids))
+        pad = self.manifest.generation.pad_token_id or 0
+        input_ids = np.full((n, longest), pad, np.int64)
+        for b, p in enumerate(ids):
+            input_ids[b, : len(p)] = p
+        positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
+        lengths = np.array([len(p) for p in ids], np.int64)
+        return self.decoder.run(cache, input_ids, positions, logits_index.astype(np.int64), lengths)
+
+    def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
+        if not prompts:
+            return
+        cfg, params = self._resolve(config)
+        for i, prompt in enumerate(prompts):
+            ids = self.encode(prompt)
+            budget = min(cfg.max_new_tokens, self.max_seq_len - len(ids))
+            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i))))
+        active = [r for r in reqs if r.budget > 0]
+        for r in reqs:
+            if r.budget == 0:
+                r.finish_reason = "length"
+        if not active:
+            return
+        capacity = max(r.position + r.budget for r in active)
+        cache = KVCache(self.manifest.states, len(active), capacity, self.state_dtype)
+        last = np.array([[len(r.prompt_ids) - 1] for r in active], np.int64)
+        logits = self._prefill(cache, [r.prompt_ids for r in active], last)[:, 0]
+        stop_ids = set(cfg.stop_token_ids)
+        while True:
+            for row, r in enumerate(active):
+                yield self._advance(r, logits[row], cfg, params, stop_ids)
+            keep = [row for row, r in enumerate(active) if r.finish_reason is None]
+            if not keep:
+                return
+            if len(keep) < len(active):
+                cache.compact(keep)
+                active = [active[row] for row in keep]
+            tokens = np.array([[r.tokens[-1]] for r in active], np.int64)
+            positions = np.array([[r.position - 1] for r in active], np.int64)
+            logits = self.decoder.run(cache, tokens, positions, np.zeros((len(active), 1), np.int64),
+                                      np.ones(len(active), np.int64))[:, 0]
+
+    def _advance(self, r: _Request, logits: np.ndarray, cfg: GenerationConfig, params: SamplingParams,
+                 stop_ids: set[int]) -> TokenEvent:
+        """Choose request r's next token, update its text and stop state, describe it as an event."""
+        token = select_token(logits, params, r.rng)
+        r.tokens.append(token)
+        if cfg.output_logits:
+            r.logits.append(logits.copy())
+        lp = None
+        if cfg.logprobs is not None:
+            lps = log_softmax(logits)
+            lp = TokenLogprob(token, float(lps[token]), tuple(top_logprobs(lps, cfg.logprobs)))
+            r.logprobs.append(lp)
+        if token in stop_ids:
+            r.finish_reason = "stop"
+        elif len(r.tokens) >= r.budget:
+            r.finish_reason = "length"
+        if self.tokenizer is None:
+            return TokenEvent(r.index, token, "", lp, r.finish_reason)
+
+        text = self.tokenizer.decode(r.tokens)
+        for s in cfg.stop_strings:
+            at = text.find(s, max(0, len(r.text) - len(s)))
+            if at >= 0:
+                text, r.finish_reason = text[:at], "stop"
+        r.text = text
+        visible = text if r.finish_reason else stable_text(text)
+        if not r.finish_reason:
+            visible = visible[: len(visible) - _pending_stop(visible, cfg.stop_strings)]
+        new_text = visible[r.emitted :] if len(visible) > r.emitted else ""
+        r.emitted = max(r.emitted, len(visible))
+        return TokenEvent(r.index, token, new_text, lp, r.finish_reason)
+
+
+def _pending_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
