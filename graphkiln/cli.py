@@ -1,0 +1,152 @@
+"""The ``graphkiln`` command: export, inspect, run, verify, demo.
+
+Every user error surfaces as one ``error: ...`` line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
+
+
+def _export(args) -> int:
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    export_model(args.model, Path(args.output), ExportOptions(
+        dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite))
+    return 0
+
+
+def _inspect(args) -> int:
+    from graphkiln.summary import describe
+    from graphkiln.manifest import Manifest
+
+    manifest = Manifest.read(Path(args.artifact))
+    print(manifest.to_json() if args.json else describe(Path(args.artifact), manifest))
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise GraphkilnError(f"--prompt-ids '{text}' is not a list of integers: write e.g. '1,2,3'") from None
+
+
+def _run(args) -> int:
+    from graphkiln.runtime import Engine, GenerationConfig
+
+    prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
+    if not prompts:
+        raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
+    engine = Engine.load(args.artifact, threads=args.threads)
+    sampling = args.temperature is not None and args.temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=True if sampling else (False if args.greedy else None),
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        stop_strings=tuple(args.stop or ()), logprobs=args.logprobs,
+        stop_token_ids=() if args.ignore_eos else None,
+    )
+    show_ids = engine.tokenizer is None or args.show_ids
+    if args.stream:
+        last = None
+        for ev in engine.stream(prompts, config):
+            if len(prompts) > 1 and ev.request != last:
+                print(f"\n[{ev.request}] ", end="")
+                last = ev.request
+            print(f" {ev.token_id}" if show_ids else ev.text, end="", flush=True)
+        print()
+        return 0
+    for i, res in enumerate(engine.generate(prompts, config)):
+        prefix = f"[{i}] " if len(prompts) > 1 else ""
+        print(prefix + (" ".join(map(str, res.token_ids)) if show_ids else res.text))
+        if args.logprobs is not None:
+            for lp in res.logprobs:
+                alts = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
+                print(f"  token {lp.token_id} logprob {lp.logprob:.4f}" + (f"  top: {alts}" if alts else ""))
+    return 0
+
+
+def _verify(args) -> int:
+    from graphkiln.export.verify import verify_artifact
+
+    report = verify_artifact(args.artifact, args.reference, steps=args.steps, seed=args.seed, atol=args.atol)
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
+def _demo(args) -> int:
+    from graphkiln.demo.run import run_demo
+
+    return run_demo(workdir=Path(args.workdir) if args.workdir else None, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graphkiln", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="export a checkpoint directory or hub id to an artifact directory")
+    e.add_argument("model", help="checkpoint directory (config.json + *.safetensors) or hub id")
+    e.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
+    e.add_argument("--opset", type=int, default=23)
+    e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    e.set_defaults(fn=_export)
+
+    i = sub.add_parser("inspect", help="summarise an artifact")
+    i.add_argument("artifact")
+    i.add_argument("--json", action="store_true", help="print the raw manifest")
+    i.set_defaults(fn=_inspect)
+
+    r = sub.add_parser("run", help="generate from an artifact")
+    r.add_argument("artifact")
+    r.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    r.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. '1,2,3' (repeatable)")
+    r.add_argument("--max-new-tokens", type=int, default=None)
+    r.add_argument("--temperature", type=float, default=None, help="> 0 samples; default greedy")
+    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--greedy", action="store_true", help="force greedy even if the artifact defaults to sampling")
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--ignore-eos", action="store_true", help="do not stop on the artifact's EOS tokens")
+    r.add_argument("--logprobs", type=int, default=None, metavar="N", help="print log-probabilities with N alternatives")
+    r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    r.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
+    r.add_argument("--threads", type=int, default=None)
+    r.set_defaults(fn=_run)
+
+    v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
+    v.add_argument("artifact")
+    v.add_argument("--reference", required=True, help="the checkpoint the artifact was exported from")
+    v.add_argument("--steps", type=int, default=32)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--atol", type=float, default=None, help="default: 1e-4 for fp32 artifacts")
+    v.set_defaults(fn=_verify)
+
+    d = sub.add_parser("demo", help="build, export, verify and run a small random Llama (no network)")
+    d.add_argument("--workdir", default=None, help="where to put the demo files (default: a temporary directory)")
+    d.add_argument("--keep", action="store_true", help="keep the demo files")
+    d.set_defaults(fn=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except GraphkilnError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""``graphkiln demo``: the embedded default, end to end with no network."""

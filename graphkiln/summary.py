@@ -1,0 +1,62 @@
+"""Human-readable summary of an artifact (``graphkiln inspect``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphkiln.manifest import Manifest
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return ""
+
+
+def describe(root: Path, m: Manifest) -> str:
+    lines = [
+        f"artifact     {root}  (format v{m.format_version})",
+        f"model        {m.model.architecture} from {m.model.source}",
+        f"             {m.model.num_parameters / 1e6:.1f}M parameters, {m.model.num_layers} layers, "
+        f"hidden {m.model.hidden_size}, vocab {m.model.vocab_size}, dtype {m.model.dtype}",
+    ]
+    for g in m.graphs:
+        lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target})")
+        shown = [t for t in g.inputs if t.layer in (None, 0)] + [t for t in g.outputs if t.layer in (None, 0)]
+        for t in shown:
+            kind = "in " if t in g.inputs else "out"
+            lines.append(f"  {kind} {t.name:<16} {t.dtype:<9} [{', '.join(map(str, t.shape))}]")
+        per_layer = sum(1 for t in g.inputs + g.outputs if t.layer not in (None, 0))
+        if per_layer:
+            lines.append(f"  ... and {per_layer} more per-layer state tensors (layers 1..)")
+    for s in m.states:
+        window = f", sliding window {s.sliding_window}" if s.sliding_window else ", full attention"
+        per_token = 2 * s.num_kv_heads * s.head_dim * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
+        lines.append(
+            f"state        {s.kind} on layers {_ranges(s.layers)}: {s.num_kv_heads} kv heads x {s.head_dim}, "
+            f"max {s.max_seq_len} tokens, {s.dtype}{window} ({_size(per_token)}/token)"
+        )
+    g = m.generation
+    lines.append(f"generation   eos {list(g.eos_token_ids)}, do_sample {g.do_sample}, temperature {g.temperature}, "
+                 f"top_k {g.top_k}, top_p {g.top_p}, max_new_tokens {g.max_new_tokens}")
+    lines.append(f"tokenizer    {', '.join(m.tokenizer_files) or 'none (token ids only)'}")
+    total = sum((root / f).stat().st_size for f in m.files if (root / f).exists())
+    lines.append(f"files        {len(m.files)} files, {_size(total)}, sha256 recorded")
+    for f in m.files:
+        p = root / f
+        lines.append(f"  {f:<28} {_size(p.stat().st_size) if p.exists() else 'MISSING'}")
+    lines.append("written by   " + ", ".join(f"{k} {v}" for k, v in m.tool_versions.items()))
+    return "\n".join(lines)
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    out, start = [], None
+    for i, l in enumerate(layers):
+        if start is None:
+            start = l
+        if i + 1 == len(layers) or layers[i + 1] != l + 1:
+            out.append(str(start) if start == l else f"{start}-{l}")
+            start = None
+    return ",".join(out)
