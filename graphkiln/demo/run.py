@@ -35,6 +35,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 1024) -> int:
 def build_checkpoint(out_dir: Path, seed: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     vocab = train_tokenizer(out_dir)
     config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
         {0: batch, 1: n_logits},
         tuple({0: batch, 2: cache} for _ in past),
     )
+    # The exporter logs a warning per torchvision op it cannot register; irrelevant here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():

@@ -52,10 +52,12 @@ class VerifyReport:
 def _reference(reference: str):
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from graphkiln.export.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint(reference)
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     except Exception as exc:
@@ -94,7 +96,9 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, stop_token_ids=(), output_logits=True))
         for p, res in zip(prompts, results):
             with torch.no_grad():
-                out = model.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                ids = torch.tensor([p])
+                # An explicit mask: otherwise generate() masks every token equal to pad_token_id.
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             ref_tokens = out.sequences[0, len(p):].tolist()
             ref_logits = torch.stack(out.logits, 1)[0].float().numpy()

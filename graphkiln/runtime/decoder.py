@@ -40,6 +40,11 @@ class DecoderGraph:
         try:
             self.session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
+            if any(t.dtype == "bfloat16" for t in spec.inputs):
+                raise GraphkilnError(
+                    "bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
+                    "re-export with --dtype fp16 or fp32 for CPU"
+                ) from None
             raise GraphkilnError(
                 f"onnxruntime cannot load {spec.file} ({str(exc).splitlines()[0][:200]}): "
                 "re-export the artifact (for CPU use --dtype fp32 or fp16)"

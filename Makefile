@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs the project with its export and test extras.
+# torch==2.13.0 is installed first and on its own: on these machines that pin resolves to a
+# local CPU build, while a looser requirement would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[export,test]'
+	touch $(STAMP)
+
+.PHONY: install demo test bench
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/graphkiln demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/python scripts/bench_decode.py

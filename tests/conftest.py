@@ -1,0 +1,272 @@
+"""Session fixtures: tiny random-init checkpoints, built once and exported once per test run.
+
+Every checkpoint is built from a transformers config class with a fixed seed, saved with
+``save_pretrained`` and exported with ``graphkiln.export.pipeline.export_model``. Exports
+cost ~10-15 s each, so they are built lazily (only the cases a test run needs) and shared
+by every test file through the session-scoped ``tiny`` factory.
+
+Weights: transformers initialises biases to 0 and RMSNorm weights to 1, which would let a
+runtime that ignores biases or norm weights pass. ``_randomize_init_constants`` replaces
+them with random values so every parameter matters. ``initializer_range`` is raised so the
+logits are spread out (greedy choices are not near-ties) while staying a sane size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MAX_SEQ_LEN = 128  # export --max-seq-len for every case
+HIDDEN = 64
+TOKENIZER_VOCAB = 400
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How to build one tiny checkpoint."""
+
+    name: str
+    architecture: str
+    config: dict
+    seed: int
+    features: tuple[str, ...]
+    tokenizer: bool = False
+    max_shard_size: str | None = None  # save sharded (model-0000x-of-0000y.safetensors + index)
+    generation_config: dict | None = None  # written as generation_config.json when given
+
+
+_COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, max_position_embeddings=256, initializer_range=0.15)
+
+SPECS: dict[str, Spec] = {
+    s.name: s
+    for s in [
+        Spec(
+            "llama_gqa_bias",
+            "LlamaForCausalLM",
+            dict(_COMMON, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 32}),
+            seed=11,
+            features=("gqa", "untied", "attention_bias", "mlp_bias", "rope_llama3"),
+        ),
+        Spec(
+            "llama_tok",
+            "LlamaForCausalLM",
+            dict(_COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+            seed=12,
+            features=("mha", "tied", "tokenizer"),
+            tokenizer=True,
+        ),
+        Spec(
+            "qwen2_mqa_tied_sharded",
+            "Qwen2ForCausalLM",
+            dict(_COMMON, vocab_size=352, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                 tie_word_embeddings=True),
+            seed=13,
+            features=("gqa", "mqa", "tied", "qkv_bias", "sharded", "sampling_defaults"),
+            max_shard_size="100KB",
+            # like an instruct model's generation_config.json: sampling by default, two EOS ids
+            generation_config={"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9,
+                               "eos_token_id": [5, 7], "bos_token_id": 1, "max_new_tokens": 24},
+        ),
+        Spec(
+            "qwen3_gqa_head_dim",
+            "Qwen3ForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64}),
+            seed=14,
+            features=("gqa", "untied", "qk_norm", "explicit_head_dim", "rope_yarn"),
+        ),
+        Spec(
+            "mistral_sliding",
+            "MistralForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 sliding_window=8, tie_word_embeddings=False),
+            seed=15,
+            features=("gqa", "untied", "sliding_window"),
+        ),
+        Spec(
+            "qwen3_mixed_sliding",
+            "Qwen3ForCausalLM",
+            dict(_COMMON, vocab_size=320, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                 tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            seed=16,
+            features=("mha", "tied", "qk_norm", "sliding_window", "mixed_layer_types"),
+        ),
+    ]
+}
+
+PARITY_CASES = list(SPECS)
+SLIDING_CASES = [n for n, s in SPECS.items() if "sliding_window" in s.features]
+
+
+def config_class(architecture: str):
+    import transformers
+
+    return getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+
+
+def model_class(architecture: str):
+    import transformers
+
+    return getattr(transformers, architecture)
+
+
+def _randomize_init_constants(model, seed: int) -> None:
+    """Give biases and norm weights (initialised to 0 / 1 by transformers) random values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1_000_003)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def build_checkpoint(spec: Spec, out_dir: Path, seed: int | None = None) -> Path:
+    """Build and save spec's checkpoint (with ``seed`` overriding the spec's: same config, other weights)."""
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(spec.config)
+    if spec.tokenizer:
+        from graphkiln.demo.run import train_tokenizer
+
+        kwargs["vocab_size"] = train_tokenizer(out_dir, TOKENIZER_VOCAB)
+    config = config_class(spec.architecture)(**kwargs)
+    seed = spec.seed if seed is None else seed
+    torch.manual_seed(seed)
+    model = model_class(spec.architecture)(config).eval()
+    _randomize_init_constants(model, seed)
+    save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    if spec.generation_config is not None:
+        (out_dir / "generation_config.json").write_text(json.dumps(spec.generation_config))
+    return out_dir
+
+
+@dataclass
+class Case:
+    """One built + exported checkpoint; engine and reference model are loaded on first use."""
+
+    spec: Spec
+    checkpoint: Path
+    artifact: Path
+    manifest: object
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @cached_property
+    def engine(self):
+        from graphkiln.runtime import Engine
+
+        return Engine.load(self.artifact)
+
+    @cached_property
+    def reference(self):
+        """The transformers model, loaded from the saved checkpoint in fp32."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(self.checkpoint), dtype=torch.float32).eval()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.model.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return MAX_SEQ_LEN
+
+    def prompts(self, lengths, salt: int = 0, low: int = 3) -> list[list[int]]:
+        """Random prompts of the given lengths, deterministic per (case, salt).
+
+        Ids below ``low`` (the tokenizer case's special tokens) are avoided.
+        """
+        rng = np.random.default_rng([self.spec.seed, salt])
+        return [rng.integers(low, self.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Factory: ``tiny(name)`` -> Case, building and exporting that checkpoint once per session."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, Case] = {}
+
+    def get(name: str) -> Case:
+        if name not in built:
+            spec = SPECS[name]
+            ckpt = build_checkpoint(spec, root / name / "checkpoint")
+            art = root / name / "artifact"
+            manifest = export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN))
+            built[name] = Case(spec, ckpt, art, manifest)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=PARITY_CASES)
+def case(request, tiny) -> Case:
+    """Every parity checkpoint, one at a time."""
+    return tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def tok_case(tiny) -> Case:
+    """Llama with a byte-level BPE tokenizer (bos 1, eos 2): text, stop strings, streaming."""
+    return tiny("llama_tok")
+
+
+@pytest.fixture(scope="session")
+def llama_case(tiny) -> Case:
+    """Llama GQA with attention/MLP bias and no tokenizer."""
+    return tiny("llama_gqa_bias")
+
+
+@pytest.fixture(scope="session")
+def sampling_default_case(tiny) -> Case:
+    """Qwen2 whose generation_config.json asks for sampling by default (like instruct models)."""
+    return tiny("qwen2_mqa_tied_sharded")
+
+
+@pytest.fixture
+def artifact_copy(tmp_path):
+    """Factory: a private copy of a case's artifact that a test may modify."""
+
+    def make(case: Case, name: str = "artifact") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(case.artifact, dst)
+        return dst
+
+    return make
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path):
+    """Factory: a private copy of a case's checkpoint that a test may break."""
+
+    def make(case: Case, name: str = "checkpoint") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(case.checkpoint, dst)
+        return dst
+
+    return make
