@@ -55,6 +55,9 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
         raise GraphkilnError(f"{target} already exists: choose another output directory or pass --overwrite")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a published artifact follows the umask
     try:
         yield tmp
         if target.exists():

@@ -43,7 +43,9 @@ def _run(args) -> int:
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
     engine = Engine.load(args.artifact, threads=args.threads)
-    sampling = args.temperature is not None and args.temperature > 0
+    # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
+    sampling = (args.temperature is not None and args.temperature > 0) or (
+        args.temperature is None and (args.top_k is not None or args.top_p is not None))
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         do_sample=True if sampling else (False if args.greedy else None),

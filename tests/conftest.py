@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -35,7 +35,7 @@ class Spec:
     architecture: str
     config: dict
     seed: int
-    features: tuple[str, ...]
+    features: tuple[str, ...]  # what the case is meant to exercise (documentation; see traits())
     tokenizer: bool = False
     max_shard_size: str | None = None  # save sharded (model-0000x-of-0000y.safetensors + index)
     generation_config: dict | None = None  # written as generation_config.json when given
@@ -50,12 +50,12 @@ SPECS: dict[str, Spec] = {
             "llama_gqa_bias",
             "LlamaForCausalLM",
             dict(_COMMON, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                 attention_bias=True, mlp_bias=True, tie_word_embeddings=False, hidden_act="gelu_pytorch_tanh",
                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 32}),
             seed=11,
-            features=("gqa", "untied", "attention_bias", "mlp_bias", "rope_llama3"),
+            features=("gqa", "untied", "attention_bias", "mlp_bias", "rope_llama3", "gelu_tanh"),
         ),
         Spec(
             "llama_tok",
@@ -82,34 +82,60 @@ SPECS: dict[str, Spec] = {
             "qwen3_gqa_head_dim",
             "Qwen3ForCausalLM",
             dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, tie_word_embeddings=False,
+                 head_dim=32, attention_bias=True, tie_word_embeddings=False,
                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                   "original_max_position_embeddings": 64}),
             seed=14,
-            features=("gqa", "untied", "qk_norm", "explicit_head_dim", "rope_yarn"),
+            features=("gqa", "untied", "qk_norm", "explicit_head_dim", "attention_bias", "rope_yarn"),
         ),
         Spec(
             "mistral_sliding",
             "MistralForCausalLM",
             dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 sliding_window=8, tie_word_embeddings=False),
+                 head_dim=24, sliding_window=8, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
             seed=15,
-            features=("gqa", "untied", "sliding_window"),
+            features=("gqa", "untied", "sliding_window", "explicit_head_dim", "rope_theta"),
         ),
         Spec(
             "qwen3_mixed_sliding",
             "Qwen3ForCausalLM",
             dict(_COMMON, vocab_size=320, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                  tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=0,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"], rms_norm_eps=1e-2),
             seed=16,
-            features=("mha", "tied", "qk_norm", "sliding_window", "mixed_layer_types"),
+            features=("mha", "tied", "qk_norm", "sliding_window", "mixed_layer_types", "rms_norm_eps"),
         ),
     ]
 }
 
+def traits(spec: Spec) -> set[str]:
+    """Attention/model variants a spec really has, derived from its config (not from its labels)."""
+    c = spec.config
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    out = {"gqa" if kv < heads else "mha", "tied" if c.get("tie_word_embeddings") else "untied"}
+    if c.get("attention_bias"):
+        out.add("attention_bias")
+    if spec.architecture == "Qwen2ForCausalLM":
+        out.add("qkv_bias")
+    if spec.architecture == "Qwen3ForCausalLM":
+        out.add("qk_norm")
+    if c.get("head_dim") and c["head_dim"] != c["hidden_size"] // heads:
+        out.add("explicit_head_dim")
+    if c.get("sliding_window") and (spec.architecture == "MistralForCausalLM" or c.get("use_sliding_window")):
+        out.add("sliding_window")
+        if len(set(c.get("layer_types") or ())) > 1:
+            out.add("mixed_layer_types")
+    if (c.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+        out.add("rope_scaling")
+    if spec.tokenizer:
+        out.add("tokenizer")
+    return out
+
+
 PARITY_CASES = list(SPECS)
-SLIDING_CASES = [n for n, s in SPECS.items() if "sliding_window" in s.features]
+SLIDING_CASES = [n for n, s in SPECS.items() if "sliding_window" in traits(s)]
 
 
 def config_class(architecture: str):
@@ -140,7 +166,9 @@ def _randomize_init_constants(model, seed: int) -> None:
 def build_checkpoint(spec: Spec, out_dir: Path, seed: int | None = None) -> Path:
     """Build and save spec's checkpoint (with ``seed`` overriding the spec's: same config, other weights)."""
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = dict(spec.config)
     if spec.tokenizer:
@@ -167,7 +195,6 @@ class Case:
     checkpoint: Path
     artifact: Path
     manifest: object
-    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -202,6 +229,21 @@ class Case:
         """
         rng = np.random.default_rng([self.spec.seed, salt])
         return [rng.integers(low, self.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Drop torch.export's trace logging (thousands of DEBUG lines per export) from failure reports."""
+    outcome = yield
+    report = outcome.get_result()
+    sections = []
+    for title, content in report.sections:
+        if title.startswith("Captured log"):
+            content = "\n".join(l for l in content.splitlines() if "torch.__trace" not in l)
+            if not content.strip():
+                continue
+        sections.append((title, content))
+    report.sections = sections
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         cfg = family.parse_config(raw)
     except (ValueError, TypeError) as exc:
         raise GraphkilnError(f"config.json is inconsistent ({exc}): fix or re-save it") from None
-    max_seq_len = opts.max_seq_len or cfg.max_position_embeddings
+    max_seq_len = cfg.max_position_embeddings if opts.max_seq_len is None else opts.max_seq_len
     if max_seq_len < 2:
         raise GraphkilnError(f"--max-seq-len {max_seq_len} is too small: use at least 2")
 

@@ -93,7 +93,7 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         for p, ours in zip(prompts, engine.prompt_logits(prompts)):
             with torch.no_grad():
                 compare(ours, model(torch.tensor([p])).logits[0].float().numpy())
-        results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, stop_token_ids=(), output_logits=True))
+        results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, do_sample=False, stop_token_ids=(), output_logits=True))
         for p, res in zip(prompts, results):
             with torch.no_grad():
                 ids = torch.tensor([p])

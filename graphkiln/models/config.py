@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Activations the export-friendly MLP implements (see decoder._ACTIVATIONS).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -86,6 +89,7 @@ def parse_dense(
     qkv_bias: bool | None = None,
     o_bias: bool | None = None,
     qk_norm: bool = False,
+    mlp_bias: bool | None = None,
     layer_windows: tuple[int | None, ...] | None = None,
 ) -> DecoderConfig:
     """Common parsing for Llama-style configs; families pass what differs."""
@@ -94,6 +98,13 @@ def parse_dense(
     layers = int(_require(raw, "num_hidden_layers", architecture))
     attention_bias = bool(raw.get("attention_bias", False))
     head_dim = raw.get("head_dim") or hidden // heads
+    act = str(raw.get("hidden_act", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        from graphkiln.errors import GraphkilnError
+
+        raise GraphkilnError(
+            f"hidden_act '{act}' in config.json is not supported: graphkiln implements {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
     return DecoderConfig(
         architecture=architecture,
         vocab_size=int(_require(raw, "vocab_size", architecture)),
@@ -109,9 +120,9 @@ def parse_dense(
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
         o_bias=attention_bias if o_bias is None else o_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)) if mlp_bias is None else mlp_bias,
         qk_norm=qk_norm,
-        hidden_act=str(raw.get("hidden_act", "silu")),
+        hidden_act=act,
         layer_windows=layer_windows or (None,) * layers,
         raw=raw,
     )
@@ -121,8 +132,12 @@ def windows_from_layer_types(raw: dict) -> tuple[int | None, ...] | None:
     """Per-layer windows for configs that list ``layer_types`` (Qwen2/Qwen3)."""
     types = raw.get("layer_types")
     window = raw.get("sliding_window")
-    if not types:
-        return None
     if "use_sliding_window" in raw and not raw["use_sliding_window"]:
         window = None
+    if not types:
+        if not window:
+            return None
+        # Configs written before layer_types existed: transformers slides layers >= max_window_layers.
+        first = int(raw.get("max_window_layers", 0))
+        return tuple(window if i >= first else None for i in range(int(raw.get("num_hidden_layers", 0))))
     return tuple(window if t == "sliding_attention" and window else None for t in types)

@@ -7,7 +7,7 @@ from graphkiln.models.registry import ModelFamily, register
 def _parse(raw: dict):
     layers = int(raw.get("num_hidden_layers", 0))
     window = raw.get("sliding_window")
-    return parse_dense(raw, "MistralForCausalLM", qkv_bias=False, o_bias=False, layer_windows=(window,) * layers)
+    return parse_dense(raw, "MistralForCausalLM", qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(window,) * layers)
 
 
 FAMILY = register(ModelFamily("MistralForCausalLM", _parse))

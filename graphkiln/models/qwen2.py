@@ -6,7 +6,7 @@ from graphkiln.models.registry import ModelFamily, register
 
 def _parse(raw: dict):
     return parse_dense(
-        raw, "Qwen2ForCausalLM", qkv_bias=True, o_bias=False, layer_windows=windows_from_layer_types(raw)
+        raw, "Qwen2ForCausalLM", qkv_bias=True, o_bias=False, mlp_bias=False, layer_windows=windows_from_layer_types(raw)
     )
 
 

@@ -5,7 +5,7 @@ from graphkiln.models.registry import ModelFamily, register
 
 
 def _parse(raw: dict):
-    return parse_dense(raw, "Qwen3ForCausalLM", qk_norm=True, layer_windows=windows_from_layer_types(raw))
+    return parse_dense(raw, "Qwen3ForCausalLM", qk_norm=True, mlp_bias=False, layer_windows=windows_from_layer_types(raw))
 
 
 FAMILY = register(ModelFamily("Qwen3ForCausalLM", _parse))

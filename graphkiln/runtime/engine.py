@@ -137,7 +137,9 @@ class Engine:
 
     @staticmethod
     def _as_batch(prompts) -> list[Prompt]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+        if isinstance(prompts, np.ndarray):
+            return [prompts] if prompts.ndim == 1 else list(prompts)
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             return [prompts]
         return list(prompts)
 
