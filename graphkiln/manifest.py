@@ -50,9 +50,15 @@ class GraphSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """A kind of per-request state and the layers that hold it (see module docstring)."""
+    """A kind of per-request state and the layers that hold it (see module docstring).
 
-    kind: str  # "kv"
+    ``kv``: one cache per attention flavor (full, or each sliding window), fields
+    num_kv_heads/head_dim/max_seq_len/sliding_window. ``conv``: per conv layer a pool
+    ``[slots, channels, width]`` (width = kernel - 1, the last inputs, oldest first) that the
+    graph reads at ``slot_idx`` and whose new rows it returns (``update: "slot_rows"``).
+    """
+
+    kind: str  # "kv" | "conv"
     layers: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
@@ -61,6 +67,19 @@ class StateSpec:
     layout: str = "batch,kv_heads,seq,head_dim"
     update: str = "scatter_rows"
     sliding_window: int | None = None
+    channels: int | None = None
+    width: int | None = None
+
+
+@dataclass(frozen=True)
+class CustomOpRef:
+    """A custom op a graph uses; the runtime refuses artifacts naming ops it does not know."""
+
+    domain: str
+    name: str
+    version: int
+    plugin_namespace: str
+    plugin_version: str
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,7 @@ class Manifest:
     tokenizer_files: tuple[str, ...]
     tool_versions: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    custom_ops: tuple[CustomOpRef, ...] = ()
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str) -> GraphSpec:
@@ -138,6 +158,7 @@ class Manifest:
                 tokenizer_files=tuple(d["tokenizer_files"]),
                 tool_versions=dict(d["tool_versions"]),
                 files=dict(d["files"]),
+                custom_ops=tuple(CustomOpRef(**c) for c in d.get("custom_ops", ())),
                 format_version=version,
             )
         except (KeyError, TypeError) as exc:

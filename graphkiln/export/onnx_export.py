@@ -17,6 +17,7 @@ from torch.export import Dim
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec, TensorSpec
+from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport
 
 # The IR version each opset first appeared with; pinned because newer onnx writes IR
@@ -26,43 +27,59 @@ SUPPORTED_OPSETS = tuple(IR_FOR_OPSET)
 NP_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def decoder_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Names, dtypes, symbolic shapes and roles of the decoder graph (see models.decoder)."""
     ins = [
         TensorSpec("input_ids", "int64", ("batch", "seq"), "input_ids"),
         TensorSpec("position_ids", "int64", ("batch", "seq"), "position_ids"),
         TensorSpec("logits_index", "int64", ("batch", "n_logits"), "logits_index"),
     ]
-    outs = [TensorSpec("logits", "float32", ("batch", "n_logits", vocab), "logits")]
-    for i in range(num_layers):
-        for kv in ("key", "value"):
-            ins.append(TensorSpec(f"past_{kv}.{i}", dtype, ("batch", kv_heads, "cache_len", head_dim), f"past_{kv}", i))
-            outs.append(TensorSpec(f"new_{kv}.{i}", dtype, ("batch", kv_heads, "seq", head_dim), f"new_{kv}", i))
+    if cfg.layers_of("conv"):
+        ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
+                TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
+    outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    for i, layer in enumerate(cfg.layers):
+        if layer.mixer == "attention":
+            for part in ("key", "value"):
+                ins.append(TensorSpec(f"past_{part}.{i}", dtype, ("batch", kv, "cache_len", d), f"past_{part}", i))
+                outs.append(TensorSpec(f"new_{part}.{i}", dtype, ("batch", kv, "seq", d), f"new_{part}", i))
+        else:
+            width = cfg.conv_kernel - 1
+            ins.append(TensorSpec(f"conv_state.{i}", dtype, ("slots", cfg.hidden_size, width), "conv_state", i))
+            outs.append(TensorSpec(f"new_conv_state.{i}", dtype, ("batch", cfg.hidden_size, width), "new_conv_state", i))
     return ins, outs
 
 
-def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx") -> GraphSpec:
+def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx") -> tuple[GraphSpec, list]:
+    """Trace the decoder, attach custom-op functions, save; returns its spec and the custom ops used."""
+    from graphkiln.export.custom_ops import registry as custom_ops
+
     if opset not in IR_FOR_OPSET:
         raise GraphkilnError(f"--opset {opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     cfg = model.cfg
     dtype = model.lm_head.weight.dtype
-    ins, outs = decoder_io(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, NP_DTYPE[dtype])
+    ins, outs = decoder_io(cfg, NP_DTYPE[dtype])
 
     # Example sizes avoid 0 and 1 so torch.export does not specialise the dynamic axes.
-    b, s, c, n = 2, 3, 5, 2
-    past = tuple(torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2 * cfg.num_layers))
-    args = (
-        torch.zeros(b, s, dtype=torch.long),
-        torch.arange(s).expand(b, s).contiguous(),
-        torch.zeros(b, n, dtype=torch.long),
-        *past,
-    )
-    batch, seq, cache, n_logits = Dim("batch"), Dim("seq"), Dim("cache_len"), Dim("n_logits")
-    dynamic = (
-        {0: batch, 1: seq},
-        {0: batch, 1: seq},
-        {0: batch, 1: n_logits},
-        tuple({0: batch, 2: cache} for _ in past),
-    )
+    b, s, c, n, slots = 2, 3, 5, 2, 4
+    batch, seq, cache, n_logits, slot_dim = Dim("batch"), Dim("seq"), Dim("cache_len"), Dim("n_logits"), Dim("slots")
+    args: list = [torch.zeros(b, s, dtype=torch.long), torch.arange(s).expand(b, s).contiguous(), torch.zeros(b, n, dtype=torch.long)]
+    dynamic: list = [{0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: n_logits}]
+    if cfg.layers_of("conv"):
+        args += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
+        dynamic += [{0: batch}, {0: batch}]
+    states, state_dims = [], []
+    for layer in cfg.layers:
+        if layer.mixer == "attention":
+            states += [torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2)]
+            state_dims += [{0: batch, 2: cache}, {0: batch, 2: cache}]
+        else:
+            states.append(torch.zeros(slots, cfg.hidden_size, cfg.conv_kernel - 1, dtype=dtype))
+            state_dims.append({0: slot_dim})
+    args += states
+    dynamic.append(tuple(state_dims))
+
     # The exporter logs a warning per torchvision op it cannot register; irrelevant here.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     log = io.StringIO()
@@ -71,22 +88,24 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 model,
-                args,
+                tuple(args),
                 dynamo=True,
                 input_names=[t.name for t in ins],
                 output_names=[t.name for t in outs],
-                dynamic_shapes=dynamic,
+                dynamic_shapes=tuple(dynamic),
                 opset_version=opset,
                 external_data=True,
                 optimize=True,
+                custom_translation_table=custom_ops.translation_table(),
             )
     except Exception as exc:
         raise GraphkilnError(
             f"ONNX export failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): "
             "report this with the checkpoint's config.json"
         ) from exc
+    used = custom_ops.attach_functions(program.model)
     program.model.ir_version = IR_FOR_OPSET[opset]
     program.model.producer_name = "graphkiln"
     program.save(str(out_dir / file_name), external_data=True)
     del program
-    return GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset)
+    return GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used

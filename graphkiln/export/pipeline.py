@@ -12,7 +12,7 @@ from graphkiln.artifact import atomic_directory, checksum_tree
 from graphkiln.errors import GraphkilnError
 from graphkiln.export.assets import copy_tokenizer, generation_defaults
 from graphkiln.export.checkpoint import resolve_checkpoint
-from graphkiln.manifest import MANIFEST_NAME, Manifest, ModelInfo, StateSpec
+from graphkiln.manifest import MANIFEST_NAME, CustomOpRef, Manifest, ModelInfo, StateSpec
 from graphkiln.models.registry import family_for
 
 
@@ -71,7 +71,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         num_params = sum(p.numel() for p in {id(p): p for p in decoder.parameters()}.values())
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
-        graph = export_decoder(decoder, tmp, opts.opset)
+        graph, used_ops = export_decoder(decoder, tmp, opts.opset)
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
         del decoder
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s")
@@ -79,9 +79,14 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)
         states = []
-        for window in dict.fromkeys(cfg.layer_windows):
-            layers = tuple(i for i, w in enumerate(cfg.layer_windows) if w == window)
+        attention = cfg.layers_of("attention")
+        for window in dict.fromkeys(cfg.layers[i].window for i in attention):
+            layers = tuple(i for i in attention if cfg.layers[i].window == window)
             states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype, sliding_window=window))
+        if cfg.layers_of("conv"):
+            states.append(StateSpec("conv", cfg.layers_of("conv"), 0, 0, max_seq_len, state_dtype,
+                                    layout="slots,channels,width", update="slot_rows",
+                                    channels=cfg.hidden_size, width=cfg.conv_kernel - 1))
 
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(
@@ -92,6 +97,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             tokenizer_files=tokenizer_files,
             tool_versions=tool_versions(),
             files=checksum_tree(tmp),
+            custom_ops=tuple(CustomOpRef(o.domain, o.name, o.version, o.plugin_namespace, o.plugin_version) for o in used_ops),
         )
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")

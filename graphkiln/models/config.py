@@ -24,10 +24,35 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
-    """A dense pre-norm decoder (Llama-style) with the knobs Llama/Qwen2/Qwen3/Mistral use.
+class LayerSpec:
+    """One decoder layer: its token mixer, attention window, rope flavor and feed-forward kind."""
 
-    ``layer_windows[i]`` is the sliding-window size of layer i, or None for full attention.
+    mixer: str = "attention"  # "attention" | "conv"
+    window: int | None = None  # sliding window of an attention layer; None = full attention
+    rope: str = "default"  # key into DecoderConfig.ropes
+    ffn: str = "mlp"  # "mlp" | "moe"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts; field meanings follow the graphkiln.MoE custom op's attributes."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: int = 0  # 0 softmax, 1 sigmoid
+    normalize: bool = True
+    norm_eps: float = 0.0
+    routed_scaling: float = 1.0
+    expert_bias: bool = False
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A pre-norm decoder whose layers mix attention/short-conv mixers and MLP/MoE FFNs.
+
+    Dense families (Llama, Qwen2/3, Mistral) are all-attention, all-MLP; hybrids (LFM2/3)
+    interleave conv layers; MoE families route some or all FFNs through experts.
     """
 
     architecture: str
@@ -48,14 +73,30 @@ class DecoderConfig:
     qk_norm: bool = False
     hidden_act: str = "silu"
     layer_windows: tuple[int | None, ...] = ()
+    layers: tuple[LayerSpec, ...] = ()
+    ropes: dict = field(default_factory=dict, hash=False, compare=False)  # flavor -> RopeConfig
+    moe: MoEConfig | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
+    attention_gate: bool = False  # per-head sigmoid gate on the attention output (LFM3)
+    sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3)
     # The raw HF config dict, for rope init functions that want more fields.
     raw: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        if not self.layers:
+            windows = self.layer_windows or (None,) * self.num_layers
+            object.__setattr__(self, "layers", tuple(LayerSpec(window=w) for w in windows))
+        object.__setattr__(self, "layer_windows", tuple(l.window for l in self.layers))
+        if not self.ropes:
+            object.__setattr__(self, "ropes", {"default": self.rope})
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"{len(self.layers)} layer types for {self.num_layers} layers")
+
+    def layers_of(self, mixer: str) -> tuple[int, ...]:
+        return tuple(i for i, l in enumerate(self.layers) if l.mixer == mixer)
 
 
 def _require(raw: dict, key: str, architecture: str):
@@ -91,6 +132,7 @@ def parse_dense(
     qk_norm: bool = False,
     mlp_bias: bool | None = None,
     layer_windows: tuple[int | None, ...] | None = None,
+    **overrides,
 ) -> DecoderConfig:
     """Common parsing for Llama-style configs; families pass what differs."""
     hidden = int(_require(raw, "hidden_size", architecture))
@@ -105,7 +147,7 @@ def parse_dense(
         raise GraphkilnError(
             f"hidden_act '{act}' in config.json is not supported: graphkiln implements {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
-    return DecoderConfig(
+    fields = dict(
         architecture=architecture,
         vocab_size=int(_require(raw, "vocab_size", architecture)),
         hidden_size=hidden,
@@ -114,7 +156,7 @@ def parse_dense(
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
         rope=rope_from_raw(raw, architecture),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -126,6 +168,8 @@ def parse_dense(
         layer_windows=layer_windows or (None,) * layers,
         raw=raw,
     )
+    fields.update(overrides)
+    return DecoderConfig(**fields)
 
 
 def windows_from_layer_types(raw: dict) -> tuple[int | None, ...] | None:

@@ -1,19 +1,24 @@
-"""Export-friendly torch modules for dense pre-norm decoders (Llama, Qwen2/3, Mistral).
+"""Export-friendly torch modules for pre-norm decoders: dense, MoE and conv hybrids.
 
-The module tree mirrors Hugging Face's parameter names so weights load by name. The
-forward takes the KV cache as plain tensors and returns only the *new* K/V rows; the
-runtime owns the cache buffers and writes those rows in place (see
-``graphkiln.runtime.state``). Cache position == token position: row b's token at position
-p lives at ``past_key[b, :, p]``.
+The module tree uses one canonical set of parameter names (Llama's, plus ``conv`` and fused
+``experts``); each family maps them to its checkpoint's names (``ModelFamily.source``).
+The forward takes per-request state as plain tensors and returns only what changed; the
+runtime owns the state pools and writes the returned rows back (``graphkiln.runtime.state``).
+Cache position == token position: row b's token at position p lives at ``past_key[b, :, p]``.
 
 Graph contract (one graph serves prefill and decode):
   input_ids     int64 [batch, seq]      right-padded when rows differ in length
   position_ids  int64 [batch, seq]      start_b + arange(seq); start_b = tokens already cached
   logits_index  int64 [batch, n_logits] which of the seq positions to produce logits for
-  past_key.i / past_value.i  [batch, kv_heads, cache_len, head_dim]; only positions < start_b
-                                         are read, the rest may hold anything
+  seq_lens      int64 [batch]           real tokens per row      (only with conv layers)
+  slot_idx      int64 [batch]           row b's conv-state slot  (only with conv layers)
+  then per layer, in layer order:
+    attention:  past_key.i / past_value.i  [batch, kv_heads, cache_len, head_dim]
+                (only positions < start_b are read)
+    conv:       conv_state.i  [slots, channels, kernel-1]  (the whole pool, read at slot_idx)
   -> logits     float32 [batch, n_logits, vocab]
-  -> new_key.i / new_value.i  [batch, kv_heads, seq, head_dim]  (rows to store at position_ids)
+  -> per layer: new_key.i / new_value.i [batch, kv_heads, seq, head_dim]  (rows for position_ids)
+                new_conv_state.i [batch, channels, kernel-1]               (rows for slot_idx)
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphkiln.models.config import DecoderConfig
+from graphkiln.models.config import DecoderConfig, LayerSpec
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -47,10 +52,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, window: int | None) -> None:
+    def __init__(self, cfg: DecoderConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.window = window
+        self.window = spec.window
+        self.rope = spec.rope
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -60,6 +66,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         b, s, _ = x.shape
@@ -69,8 +76,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
 
         keys = torch.cat((past_k, k), dim=2)
         values = torch.cat((past_v, v), dim=2)
@@ -82,36 +89,111 @@ class Attention(nn.Module):
         scores = scores.to(torch.float32).view(b, self.num_kv_heads, rep, s, -1)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(x.dtype).view(b, self.num_kv_heads, rep * s, -1)
-        out = torch.matmul(probs, values).view(b, self.num_heads, s, self.head_dim)
-        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        out = torch.matmul(probs, values).view(b, self.num_heads, s, self.head_dim).transpose(1, 2)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+        out = out.reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
 
 
-class MLP(nn.Module):
+class ShortConv(nn.Module):
+    """LFM-style gated short convolution: in_proj -> B, C, x -> C * conv(B * x) -> out_proj."""
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(h, 3 * h, bias=cfg.conv_bias)
+        self.conv = nn.Conv1d(h, h, cfg.conv_kernel, groups=h, bias=cfg.conv_bias)
+        self.out_proj = nn.Linear(h, h, bias=cfg.conv_bias)
+        self.channels = h
+
+    def forward(self, x, pool, slot_idx, seq_lens):
+        from graphkiln.export.custom_ops.registry import torch_op
+
+        b_gate, c_gate, xs = self.in_proj(x).chunk(3, dim=-1)
+        weight = self.conv.weight.squeeze(1)
+        bias = self.conv.bias if self.conv.bias is not None else torch.zeros_like(weight[:, 0])
+        y, new_state = torch_op("ShortConv")(b_gate * xs, weight, bias, pool, slot_idx, seq_lens, self.channels)
+        return self.out_proj(c_gate * y), new_state
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, intermediate: int | None = None) -> None:
+        super().__init__()
+        inter = intermediate or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, window: int | None) -> None:
+class Experts(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, window)
-        self.mlp = MLP(cfg)
+        m = cfg.moe
+        self.gate_up_proj = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.intermediate_size))
+
+
+class MoE(nn.Module):
+    """Router + routed experts through the graphkiln.MoE custom op (routing inside the op)."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.moe
+        self.gate = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts)) if cfg.moe.expert_bias else None
+
+    def forward(self, x):
+        from graphkiln.export.custom_ops.registry import torch_op
+
+        m = self.cfg
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)
+        bias = self.expert_bias if self.expert_bias is not None else torch.zeros(m.num_experts, dtype=torch.float32)
+        out = torch_op("MoE")(flat, self.gate(flat), self.experts.gate_up_proj, self.experts.down_proj, bias,
+                              m.top_k, m.scoring, int(m.normalize), m.norm_eps, m.routed_scaling)
+        return out.view(b, s, h)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        if spec.mixer == "attention":
+            self.self_attn = Attention(cfg, spec)
+        else:
+            self.conv = ShortConv(cfg)
+        self.mlp = MoE(cfg) if spec.ffn == "moe" else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norm:
+            self.post_mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.post_mixer_norm = self.post_ffn_norm = None
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+    def forward(self, x, rope, masks, state, slot_idx, seq_lens):
+        """Returns the new hidden states and this layer's new state rows (a tuple)."""
+        h = self.input_layernorm(x)
+        if self.spec.mixer == "attention":
+            cos, sin = rope[self.spec.rope]
+            h, k, v = self.self_attn(h, cos, sin, masks[self.spec.window], *state)
+            new = (k, v)
+        else:
+            h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
+            new = (conv_state,)
+        if self.post_mixer_norm is not None:
+            h = self.post_mixer_norm(h)
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h, new
 
 
 class DecoderBody(nn.Module):
@@ -120,7 +202,7 @@ class DecoderBody(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -147,33 +229,49 @@ def attention_mask(position_ids: torch.Tensor, cache_len: int, window: int | Non
 class DecoderForExport(nn.Module):
     """Causal LM whose forward is the graph contract in this module's docstring."""
 
-    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+    def __init__(self, cfg: DecoderConfig, inv_freqs: dict[str, torch.Tensor], scalings: dict[str, float]) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
-        self.attention_scaling = attention_scaling
+        self.rope_flavors = sorted(inv_freqs)
+        for name, inv in inv_freqs.items():
+            self.register_buffer(f"inv_freq_{name}", inv.to(torch.float32), persistent=False)
+        self.scalings = scalings
+        self.has_conv = bool(cfg.layers_of("conv"))
 
-    def forward(self, input_ids, position_ids, logits_index, *past):
+    def state_arity(self, i: int) -> int:
+        return 2 if self.cfg.layers[i].mixer == "attention" else 1
+
+    def forward(self, input_ids, position_ids, logits_index, *rest):
+        if self.has_conv:
+            seq_lens, slot_idx, states = rest[0], rest[1], rest[2:]
+        else:
+            seq_lens = slot_idx = None
+            states = rest
         x = self.model.embed_tokens(input_ids)
         dtype = x.dtype
-        freqs = position_ids.unsqueeze(-1).to(torch.float32) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
-        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        rope = {}
+        for name in self.rope_flavors:
+            freqs = position_ids.unsqueeze(-1).to(torch.float32) * getattr(self, f"inv_freq_{name}")
+            emb = torch.cat((freqs, freqs), dim=-1)
+            rope[name] = ((emb.cos() * self.scalings[name]).to(dtype).unsqueeze(1),
+                          (emb.sin() * self.scalings[name]).to(dtype).unsqueeze(1))
 
-        cache_len = past[0].shape[2]
-        masks: dict[int | None, torch.Tensor] = {}
+        attn_layers = self.cfg.layers_of("attention")
+        cache_len = states[self._offset(attn_layers[0])].shape[2] if attn_layers else 0
+        masks = {w: attention_mask(position_ids, cache_len, w)
+                 for w in dict.fromkeys(self.cfg.layers[i].window for i in attn_layers)}
         new_states = []
         for i, layer in enumerate(self.model.layers):
-            window = layer.self_attn.window
-            if window not in masks:
-                masks[window] = attention_mask(position_ids, cache_len, window)
-            x, k, v = layer(x, cos, sin, masks[window], past[2 * i], past[2 * i + 1])
-            new_states += [k, v]
+            off = self._offset(i)
+            x, new = layer(x, rope, masks, states[off: off + self.state_arity(i)], slot_idx, seq_lens)
+            new_states += new
 
         index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         x = torch.gather(x, 1, index)
         logits = self.lm_head(self.model.norm(x)).to(torch.float32)
         return (logits, *new_states)
+
+    def _offset(self, layer: int) -> int:
+        return sum(self.state_arity(i) for i in range(layer))

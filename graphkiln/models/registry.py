@@ -13,8 +13,9 @@ from typing import Callable
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
+from graphkiln.models.sources import Source
 
-_BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral")
+_BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "lfm2", "lfm2_moe", "lfm3")
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,9 @@ class ModelFamily:
 
     architecture: str
     parse_config: Callable[[dict], DecoderConfig]
-    # Our parameter name -> the checkpoint's tensor name. Identity for the Llama-style
-    # families because our module tree mirrors HF's names on purpose.
-    checkpoint_name: Callable[[str], str] = lambda name: name
+    # Canonical parameter name -> where its tensor comes from in the checkpoint. Identity
+    # for the Llama-style families because the canonical names are Llama's on purpose.
+    source: Callable[[str, DecoderConfig], Source] = lambda name, cfg: name
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

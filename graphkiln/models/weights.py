@@ -18,24 +18,27 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport
 from graphkiln.models.registry import ModelFamily
+from graphkiln.models.sources import Alt, Cat, Source, Stack, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def rope_inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling, computed by the reference's own rope init functions."""
-    if cfg.rope.rope_type == "default":
-        inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling of one rope flavor, as the reference computes them."""
+    rope = cfg.ropes[flavor]
+    if rope.rope_type == "default":
+        inv = 1.0 / (rope.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         return inv, 1.0
-    if cfg.rope.rope_type == "dynamic":
+    if rope.rope_type == "dynamic":
         raise GraphkilnError("rope_type 'dynamic' changes with sequence length and cannot be exported; use a static rope type")
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if cfg.rope.rope_type not in ROPE_INIT_FUNCTIONS:
-        raise GraphkilnError(f"unknown rope_type '{cfg.rope.rope_type}' in config.json")
+    if rope.rope_type not in ROPE_INIT_FUNCTIONS:
+        raise GraphkilnError(f"unknown rope_type '{rope.rope_type}' in config.json")
     hf_cfg = AutoConfig.for_model(**cfg.raw)
-    inv, scaling = ROPE_INIT_FUNCTIONS[cfg.rope.rope_type](hf_cfg, "cpu")
+    kwargs = {"layer_type": flavor} if flavor != "default" else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](hf_cfg, "cpu", **kwargs)
     return inv.float(), float(scaling)
 
 
@@ -57,40 +60,72 @@ def _open_shards(model_dir: Path) -> dict[str, Path]:
     return where
 
 
+class _Reader:
+    """Resolves ``Source`` descriptions against the checkpoint's shards, one tensor at a time."""
+
+    def __init__(self, where: dict[str, Path]) -> None:
+        self.where = where
+        self.handles: dict[Path, object] = {}
+
+    def has(self, src: Source) -> bool:
+        if isinstance(src, str):
+            return src in self.where
+        if isinstance(src, Alt):
+            return any(self.has(o) for o in src.options)
+        return all(self.has(p) for p in src.parts)
+
+    def missing(self, src: Source) -> str:
+        if isinstance(src, Alt):
+            return self.missing(src.options[-1])
+        return next(n for n in names_in(src) if n not in self.where)
+
+    def read(self, src: Source) -> torch.Tensor:
+        if isinstance(src, Alt):
+            return self.read(next(o for o in src.options if self.has(o)))
+        if isinstance(src, Stack):
+            return torch.stack([self.read(p) for p in src.parts])
+        if isinstance(src, Cat):
+            return torch.cat([self.read(p) for p in src.parts])
+        shard = self.where[src]
+        if shard not in self.handles:
+            self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
+        try:
+            return self.handles[shard].get_tensor(src)
+        except Exception as exc:
+            raise GraphkilnError(
+                f"{shard.name} is truncated or corrupt reading '{src}' ({str(exc).splitlines()[0]}): "
+                "re-download or re-save the checkpoint"
+            ) from None
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.__exit__(None, None, None)
+
+
 def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str, progress: bool = True) -> DecoderForExport:
     torch_dtype = DTYPES[dtype]
-    inv_freq, scaling = rope_inv_freq(cfg)
+    ropes = {flavor: rope_inv_freq(cfg, flavor) for flavor in cfg.ropes}
     with torch.device("meta"):
-        model = DecoderForExport(cfg, inv_freq.to("meta"), scaling)
-    model.inv_freq = inv_freq  # the buffer is computed, not stored in checkpoints
+        model = DecoderForExport(cfg, {f: inv.to("meta") for f, (inv, _) in ropes.items()}, {f: s for f, (_, s) in ropes.items()})
+    for flavor, (inv, _) in ropes.items():  # computed buffers, not stored in checkpoints
+        setattr(model, f"inv_freq_{flavor}", inv)
 
-    where = _open_shards(model_dir)
+    reader = _Reader(_open_shards(model_dir))
     wanted = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight")
-    missing = [n for n in wanted if family.checkpoint_name(n) not in where]
+    sources = {name: family.source(name, cfg) for name in wanted}
+    missing = [reader.missing(src) for src in sources.values() if not reader.has(src)]
     if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise GraphkilnError(
-            f"checkpoint is missing weight '{family.checkpoint_name(missing[0])}'"
-            f"{', ' + ', '.join(missing[1:3]) if len(missing) > 1 else ''}{more}: "
-            "the safetensors files do not match config.json"
+            f"checkpoint is missing weight '{missing[0]}'{more}: the safetensors files do not match config.json"
         )
 
-    handles: dict[Path, object] = {}
     state: dict[str, torch.Tensor] = {}
     try:
         for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-            shard = where[family.checkpoint_name(name)]
-            if shard not in handles:
-                handles[shard] = safe_open(str(shard), framework="pt").__enter__()
-            try:
-                t = handles[shard].get_tensor(family.checkpoint_name(name))
-            except Exception as exc:
-                raise GraphkilnError(
-                    f"{shard.name} is truncated or corrupt reading '{name}' ({str(exc).splitlines()[0]}): "
-                    "re-download or re-save the checkpoint"
-                ) from None
+            t = reader.read(sources[name])
             expected = tuple(wanted[name].shape)
             if tuple(t.shape) != expected:
                 raise GraphkilnError(
@@ -100,8 +135,7 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
             state[name] = t if t.dtype == torch_dtype else t.to(torch_dtype)
             del t
     finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+        reader.close()
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

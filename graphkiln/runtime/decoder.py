@@ -9,7 +9,7 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec
-from graphkiln.runtime.state import KVCache
+from graphkiln.runtime.state import StatePool
 
 _REQUIRED_INPUT_ROLES = {"input_ids", "position_ids", "logits_index", "past_key", "past_value"}
 
@@ -49,22 +49,26 @@ class DecoderGraph:
                 f"onnxruntime cannot load {spec.file} ({str(exc).splitlines()[0][:200]}): "
                 "re-export the artifact (for CPU use --dtype fp32 or fp16)"
             ) from None
-        self.past = {(t.role, t.layer): t.name for t in spec.inputs if t.layer is not None}
+        self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
+        self.states = [(t.role, t.layer, t.name) for t in spec.inputs if t.layer is not None]
         self.outputs = [t.name for t in spec.outputs]
         self.new = [(t.role, t.layer) for t in spec.outputs]
 
-    def run(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray,
+    def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """One forward over the first n=len(input_ids) cache rows; returns logits [n, n_logits, vocab].
+        """One forward over the live slots 0..n-1 (n = len(input_ids)); returns logits [n, n_logits, vocab].
 
-        Row b holds ``lengths[b]`` real tokens starting at position ``position_ids[b, 0]``;
-        its new K/V rows are stored in the cache before returning.
+        Row b is slot b and holds ``lengths[b]`` real tokens starting at position
+        ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
         """
         n = input_ids.shape[0]
-        keys, values = cache.views(n)
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
-        for (role, layer), name in self.past.items():
-            feeds[name] = keys[layer] if role == "past_key" else values[layer]
+        keys, values = pool.kv_views(n)
+        slot_idx = np.arange(n, dtype=np.int64)
+        given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
+                 "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
+        feeds = {name: given[role] for role, name in self.names.items()}
+        for role, layer, name in self.states:
+            feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
         outs = self.session.run(self.outputs, feeds)
         starts = position_ids[:, 0]
         new: dict[int, dict[str, np.ndarray]] = {}
@@ -74,6 +78,9 @@ class DecoderGraph:
                 logits = value
             else:
                 new.setdefault(layer, {})[role] = value
-        for layer, kv in new.items():
-            cache.write(layer, kv["new_key"], kv["new_value"], starts, lengths)
+        for layer, rows in new.items():
+            if "new_conv_state" in rows:
+                pool.write_conv(layer, rows["new_conv_state"], slot_idx)
+            else:
+                pool.write_kv(layer, rows["new_key"], rows["new_value"], starts, lengths)
         return logits

@@ -14,16 +14,17 @@ from graphkiln.manifest import Manifest
 from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
 from graphkiln.runtime.sampling import SamplingParams, log_softmax, select_token, top_logprobs
-from graphkiln.runtime.state import KVCache
+from graphkiln.runtime.state import StatePool
 from graphkiln.runtime.tokenizer import Tokenizer, stable_text
 
-KNOWN_STATE_KINDS = {"kv"}
+KNOWN_STATE_KINDS = {"kv", "conv"}
 Prompt = str | Sequence[int]
 
 
 @dataclass
 class _Request:
-    """Mutable per-request state for one generate call; row = its current cache row."""
+    """Mutable per-request state for one generate call; ``slot`` is its state-pool slot
+    (also its batch row) while it runs, None before it starts and after it is released."""
 
     index: int
     prompt_ids: list[int]
@@ -35,6 +36,7 @@ class _Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
+    slot: int | None = None
 
     @property
     def position(self) -> int:
@@ -48,9 +50,17 @@ class Engine:
         unknown = {s.kind for s in manifest.states} - KNOWN_STATE_KINDS
         if unknown:
             raise GraphkilnError(f"artifact needs state kind(s) {sorted(unknown)} this runtime does not support: upgrade graphkiln")
+        known_ops = _known_custom_ops()
+        for op in manifest.custom_ops:
+            if (op.domain, op.name, op.version) not in known_ops:
+                raise GraphkilnError(
+                    f"artifact uses custom op {op.domain}.{op.name} v{op.version}, which this graphkiln does not know: "
+                    "upgrade graphkiln or re-export the artifact with this version"
+                )
         self.decoder = DecoderGraph(artifact_dir, manifest.graph("decoder"), threads)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
+        self.pool = StatePool(manifest.states, self.state_dtype)
         tok = artifact_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
 
@@ -146,12 +156,17 @@ class Engine:
     def prompt_logits(self, prompt_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill."""
         ids = [self.encode(p) for p in prompt_ids]
-        cache = KVCache(self.manifest.states, len(ids), max(map(len, ids)), self.state_dtype)
         longest = max(map(len, ids))
-        logits = self._prefill(cache, ids, np.tile(np.arange(longest), (len(ids), 1)))
+        self.pool.reserve(len(ids), longest)
+        slots = [self.pool.claim() for _ in ids]
+        try:
+            logits = self._prefill(ids, np.tile(np.arange(longest), (len(ids), 1)))
+        finally:
+            for slot in reversed(slots):
+                self.pool.release(slot)
         return [logits[b, : len(p)] for b, p in enumerate(ids)]
 
-    def _prefill(self, cache: KVCache, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
+    def _prefill(self, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
         n, longest = len(ids), max(map(len, ids))
         pad = self.manifest.generation.pad_token_id or 0
         input_ids = np.full((n, longest), pad, np.int64)
@@ -159,7 +174,7 @@ class Engine:
             input_ids[b, : len(p)] = p
         positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
         lengths = np.array([len(p) for p in ids], np.int64)
-        return self.decoder.run(cache, input_ids, positions, logits_index.astype(np.int64), lengths)
+        return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths)
 
     def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
         if not prompts:
@@ -176,23 +191,40 @@ class Engine:
         if not active:
             return
         capacity = max(r.position + r.budget for r in active)
-        cache = KVCache(self.manifest.states, len(active), capacity, self.state_dtype)
-        last = np.array([[len(r.prompt_ids) - 1] for r in active], np.int64)
-        logits = self._prefill(cache, [r.prompt_ids for r in active], last)[:, 0]
-        stop_ids = set(cfg.stop_token_ids)
-        while True:
-            for row, r in enumerate(active):
-                yield self._advance(r, logits[row], cfg, params, stop_ids)
-            keep = [row for row, r in enumerate(active) if r.finish_reason is None]
-            if not keep:
-                return
-            if len(keep) < len(active):
-                cache.compact(keep)
-                active = [active[row] for row in keep]
-            tokens = np.array([[r.tokens[-1]] for r in active], np.int64)
-            positions = np.array([[r.position - 1] for r in active], np.int64)
-            logits = self.decoder.run(cache, tokens, positions, np.zeros((len(active), 1), np.int64),
-                                      np.ones(len(active), np.int64))[:, 0]
+        if self.pool.live:
+            raise GraphkilnError("this Engine is already generating: use one Engine per concurrent caller")
+        self.pool.reserve(len(active), capacity)
+        by_slot: list[_Request] = []  # by_slot[s] is the request in slot s == batch row s
+        try:
+            for r in active:
+                r.slot = self.pool.claim()
+                by_slot.append(r)
+            last = np.array([[len(r.prompt_ids) - 1] for r in by_slot], np.int64)
+            logits = self._prefill([r.prompt_ids for r in by_slot], last)[:, 0]
+            stop_ids = set(cfg.stop_token_ids)
+            while True:
+                events = [self._advance(r, logits[row], cfg, params, stop_ids) for row, r in enumerate(by_slot)]
+                for r in sorted((r for r in by_slot if r.finish_reason), key=lambda r: -r.slot):
+                    self._release(r, by_slot)
+                yield from events
+                if not by_slot:
+                    return
+                tokens = np.array([[r.tokens[-1]] for r in by_slot], np.int64)
+                positions = np.array([[r.position - 1] for r in by_slot], np.int64)
+                n = len(by_slot)
+                logits = self.decoder.run(self.pool, tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))[:, 0]
+        finally:
+            # Failure or cancellation (the caller closed the stream): free what is still held.
+            for r in sorted(by_slot, key=lambda r: -r.slot):
+                self._release(r, by_slot)
+
+    def _release(self, r: _Request, by_slot: list[_Request]) -> None:
+        moved = self.pool.release(r.slot)
+        if moved is not None:
+            by_slot[r.slot] = by_slot[moved]
+            by_slot[r.slot].slot = r.slot
+        by_slot.pop()
+        r.slot = None
 
     def _advance(self, r: _Request, logits: np.ndarray, cfg: GenerationConfig, params: SamplingParams,
                  stop_ids: set[int]) -> TokenEvent:
@@ -225,6 +257,12 @@ class Engine:
         new_text = visible[r.emitted :] if len(visible) > r.emitted else ""
         r.emitted = max(r.emitted, len(visible))
         return TokenEvent(r.index, token, new_text, lp, r.finish_reason)
+
+
+def _known_custom_ops() -> set[tuple[str, str, int]]:
+    from graphkiln.export.custom_ops.registry import specs  # torch-free
+
+    return {(s.domain, s.name, s.version) for s in specs().values()}
 
 
 def _pending_stop(text: str, stops: tuple[str, ...]) -> int:

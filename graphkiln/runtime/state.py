@@ -1,16 +1,17 @@
-"""Runtime-owned KV cache buffers.
+"""Runtime-owned state pools: KV cache per attention layer, conv state per conv layer.
 
-Layout (matches ``StateSpec.layout``): one key and one value array per attention layer,
-``[batch, kv_heads, capacity, head_dim]``, C-contiguous, in the artifact's dtype. A token at
-position p of request row b is stored at ``[b, :, p, :]``.
+Layouts (match the manifest's ``StateSpec``), all C-contiguous in the artifact's dtype:
+  kv    per attention layer: key and value ``[slots, kv_heads, capacity, head_dim]``; a
+        token at position p of the request in slot s is stored at ``[s, :, p, :]``.
+  conv  per conv layer: ``[slots, channels, kernel-1]``, the last inputs, oldest first.
 
-Lifecycle: a ``KVCache`` is allocated once per generation session (one batch of requests)
-with ``capacity`` = the longest prompt plus the token budget, and is never reallocated
-while the session runs. The graph reads the whole buffer (positions past a row's length
-are masked) and returns only the new rows, which ``write`` stores in place. When requests
-finish, ``compact`` moves the survivors' rows to the front, so the live batch is always
-the prefix ``[:n]`` — still contiguous, still at the same address — which is what
-CUDA-graph replay and slot pools need next.
+Lifecycle. The engine owns one ``StatePool`` for its life. ``reserve`` sizes it for a
+generation session (only while no slot is live, so buffers never move under a running
+request). A request ``claim``s a slot when it starts (its rows are zeroed) and ``release``s
+it when it finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
+release moves the last live slot's rows into the hole and reports the move, so the live
+batch is always the prefix ``[:live]`` of every buffer — a contiguous view at a fixed
+address, passed to the graph without copying, which is also what CUDA-graph replay needs.
 """
 
 from __future__ import annotations
@@ -20,30 +21,79 @@ import numpy as np
 from graphkiln.manifest import StateSpec
 
 
-class KVCache:
-    def __init__(self, states: tuple[StateSpec, ...], batch: int, capacity: int, np_dtype: np.dtype) -> None:
-        self.capacity = capacity
-        self.batch = batch
+class StatePool:
+    def __init__(self, states: tuple[StateSpec, ...], dtype: np.dtype) -> None:
+        self.specs = states
+        self.dtype = dtype
+        self.slots = 0
+        self.capacity = 0
+        self.live = 0
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
-        for spec in states:
-            if spec.kind != "kv":
-                continue
-            shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
-            for layer in spec.layers:
-                self.keys[layer] = np.zeros(shape, np_dtype)
-                self.values[layer] = np.zeros(shape, np_dtype)
+        self.conv: dict[int, np.ndarray] = {}
+
+    # -- sizing ---------------------------------------------------------------------------
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Size the pool to exactly ``slots`` x ``capacity`` tokens; only between sessions."""
+        if self.live:
+            raise RuntimeError("StatePool.reserve while slots are live")
+        if (slots, capacity) == (self.slots, self.capacity):
+            return
+        self.slots, self.capacity = slots, capacity
+        self.keys, self.values, self.conv = {}, {}, {}
+        for spec in self.specs:
+            if spec.kind == "kv":
+                shape = (slots, spec.num_kv_heads, capacity, spec.head_dim)
+                for layer in spec.layers:
+                    self.keys[layer] = np.zeros(shape, self.dtype)
+                    self.values[layer] = np.zeros(shape, self.dtype)
+            elif spec.kind == "conv":
+                for layer in spec.layers:
+                    self.conv[layer] = np.zeros((slots, spec.channels, spec.width), self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys.values()) * 2
+        return sum(a.nbytes for d in (self.keys, self.values, self.conv) for a in d.values())
 
-    def views(self, n: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """The first n rows of every buffer: contiguous views, no copies."""
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.live
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def claim(self) -> int:
+        if self.live >= self.slots:
+            raise RuntimeError("StatePool has no free slot")
+        slot = self.live
+        self.live += 1
+        # The KV rows need no zeroing (positions >= a row's length are masked, and they are
+        # written before they are read); conv state is read from the first step, so it must.
+        for a in self.conv.values():
+            a[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``; if another live slot's rows moved into it, return that slot's old index."""
+        if not 0 <= slot < self.live:
+            raise RuntimeError(f"StatePool.release of slot {slot} that is not live")
+        last = self.live - 1
+        self.live -= 1
+        if slot == last:
+            return None
+        for bufs in (self.keys, self.values, self.conv):
+            for a in bufs.values():
+                a[slot] = a[last]
+        return last
+
+    # -- graph I/O ------------------------------------------------------------------------
+
+    def kv_views(self, n: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """The first n slots of every KV buffer: contiguous views, no copies."""
         return {l: a[:n] for l, a in self.keys.items()}, {l: a[:n] for l, a in self.values.items()}
 
-    def write(self, layer: int, new_k: np.ndarray, new_v: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
-        """Store new rows: row b's first lengths[b] tokens go to positions starts[b]... in place."""
+    def write_kv(self, layer: int, new_k: np.ndarray, new_v: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Store new rows: slot b's first lengths[b] tokens go to positions starts[b]..., in place."""
         k, v = self.keys[layer], self.values[layer]
         n, seq = new_k.shape[0], new_k.shape[2]
         if seq == 1:
@@ -56,10 +106,5 @@ class KVCache:
             k[b, :, s : s + ln] = new_k[b, :, :ln]
             v[b, :, s : s + ln] = new_v[b, :, :ln]
 
-    def compact(self, keep: list[int]) -> None:
-        """Move rows ``keep`` (ascending) to the front, in place."""
-        for bufs in (self.keys, self.values):
-            for a in bufs.values():
-                for dst, src in enumerate(keep):
-                    if dst != src:
-                        a[dst] = a[src]
+    def write_conv(self, layer: int, rows: np.ndarray, slot_idx: np.ndarray) -> None:
+        self.conv[layer][slot_idx] = rows

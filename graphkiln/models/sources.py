@@ -1,0 +1,59 @@
+"""Where a canonical parameter's tensor comes from in a checkpoint (torch-free descriptions).
+
+Families describe, per canonical name, a ``Source``: a plain tensor name, an ``Alt`` of
+layouts (a fused tensor, or per-expert tensors to stack), ``Stack``/``Cat`` of parts. The
+loader in ``weights.py`` resolves them against the safetensors index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stack:
+    parts: tuple  # Sources stacked along a new dim 0
+
+
+@dataclass(frozen=True)
+class Cat:
+    parts: tuple  # Sources concatenated along dim 0
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple  # the first option whose tensors all exist wins
+
+
+Source = str | Stack | Cat | Alt
+
+
+def names_in(src: Source) -> list[str]:
+    if isinstance(src, str):
+        return [src]
+    parts = src.options[0:1] if isinstance(src, Alt) else src.parts
+    return [n for p in parts for n in names_in(p)]
+
+
+def renamer(rules: list[tuple[str, str]]):
+    """canonical name -> checkpoint name by regex rules applied in order."""
+    compiled = [(re.compile(p), r) for p, r in rules]
+
+    def rename(name: str) -> str:
+        for pattern, repl in compiled:
+            name = pattern.sub(repl, name)
+        return name
+
+    return rename
+
+
+def stacked_experts(prefix: str, num_experts: int, gate: str, up: str, down: str) -> dict[str, Source]:
+    """Sources for fused expert tensors from a checkpoint that may store them per expert.
+
+    ``prefix`` is the checkpoint's experts module path, e.g. "model.layers.3.mlp.experts".
+    """
+    gate_up = Alt((f"{prefix}.gate_up_proj",
+                   Stack(tuple(Cat((f"{prefix}.{e}.{gate}.weight", f"{prefix}.{e}.{up}.weight")) for e in range(num_experts)))))
+    down_src = Alt((f"{prefix}.down_proj", Stack(tuple(f"{prefix}.{e}.{down}.weight" for e in range(num_experts)))))
+    return {"gate_up_proj": gate_up, "down_proj": down_src}
