@@ -66,10 +66,10 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
     batch, seq, cache, n_logits, slot_dim = Dim("batch"), Dim("seq"), Dim("cache_len"), Dim("n_logits"), Dim("slots")
     args: list = [torch.zeros(b, s, dtype=torch.long), torch.arange(s).expand(b, s).contiguous(), torch.zeros(b, n, dtype=torch.long)]
     dynamic: list = [{0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: n_logits}]
+    states, state_dims = [], []  # forward(*rest): one pytree entry holding everything after logits_index
     if cfg.layers_of("conv"):
-        args += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
-        dynamic += [{0: batch}, {0: batch}]
-    states, state_dims = [], []
+        states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
+        state_dims += [{0: batch}, {0: batch}]
     for layer in cfg.layers:
         if layer.mixer == "attention":
             states += [torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2)]

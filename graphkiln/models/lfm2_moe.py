@@ -11,7 +11,7 @@ def _parse(raw: dict):
     dense = int(raw.get("num_dense_layers", 0))
     layers = tuple(LayerSpec(mixer="conv" if t == "conv" else "attention", ffn="mlp" if i < dense else "moe")
                    for i, t in enumerate(layer_types(raw)))
-    moe = MoEConfig(num_experts=int(raw.get("num_experts", 0)), top_k=int(raw.get("num_experts_per_tok", 1)),
+    moe = MoEConfig(num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0), top_k=int(raw.get("num_experts_per_tok", 1)),
                     intermediate_size=int(raw.get("moe_intermediate_size", 0)), scoring=1,
                     normalize=bool(raw.get("norm_topk_prob", True)), norm_eps=1e-6,
                     routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),

@@ -4,6 +4,7 @@ flavor with its own rope; attention output gate; sandwich norms."""
 from graphkiln.models.config import LayerSpec, RopeConfig, parse_dense
 from graphkiln.models.lfm2 import layer_types, lfm_source
 from graphkiln.models.registry import ModelFamily, register
+from graphkiln.models.sources import Alt
 
 ARCH = "Lfm3ForCausalLM"
 
@@ -30,4 +31,14 @@ def _parse(raw: dict):
                        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
 
 
-FAMILY = register(ModelFamily(ARCH, _parse, lfm_source([])))
+_lfm_source = lfm_source([])
+
+
+def _source(name: str, cfg):
+    # The attention gate is g_proj in transformers' module but gate_proj in saved checkpoints.
+    if name.endswith(".self_attn.g_proj.weight"):
+        return Alt((name.replace(".g_proj.", ".gate_proj."), name))
+    return _lfm_source(name, cfg)
+
+
+FAMILY = register(ModelFamily(ARCH, _parse, _source))

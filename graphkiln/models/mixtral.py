@@ -12,7 +12,7 @@ ARCH = "MixtralForCausalLM"
 def _parse(raw: dict):
     n = int(raw.get("num_hidden_layers", 0))
     window = raw.get("sliding_window")
-    moe = MoEConfig(num_experts=int(raw.get("num_local_experts", 8)), top_k=int(raw.get("num_experts_per_tok", 2)),
+    moe = MoEConfig(num_experts=int(raw.get("num_local_experts") or raw.get("num_experts") or 8), top_k=int(raw.get("num_experts_per_tok", 2)),
                     intermediate_size=int(raw.get("intermediate_size", 0)), normalize=True)
     return parse_dense(raw, ARCH, qkv_bias=False, o_bias=False, mlp_bias=False,
                        layers=tuple(LayerSpec(window=window, ffn="moe") for _ in range(n)), moe=moe)

@@ -13,7 +13,8 @@ def _parse(raw: dict):
     n = int(raw.get("num_hidden_layers", 0))
     windows = windows_from_layer_types(raw) or (None,) * n
     step, dense_only = int(raw.get("decoder_sparse_step", 1) or 1), set(raw.get("mlp_only_layers") or ())
-    experts = int(raw.get("num_experts", 0))
+    # Hub configs say num_experts; transformers 5 writes num_local_experts (an attribute_map alias).
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     layers = tuple(
         LayerSpec(window=windows[i], ffn="moe" if i not in dense_only and experts > 0 and (i + 1) % step == 0 else "mlp")
         for i in range(n))

@@ -39,7 +39,7 @@ def routing(router_logits, expert_bias, top_k: int, scoring: int, normalize: int
 
     logits = router_logits.float()
     probs = torch.sigmoid(logits) if scoring == 1 else torch.softmax(logits, dim=-1)
-    select = probs + expert_bias.float() if scoring == 1 else probs
+    select = probs + expert_bias.float()
     idx = torch.topk(select, top_k, dim=-1).indices
     w = probs.gather(-1, idx)
     if normalize:
@@ -89,7 +89,7 @@ def onnx_function(opset: int):
         use_sigmoid = op.Cast(op.Constant(value_int=scoring), to=TensorProto.FLOAT)
         probs = op.Add(op.Mul(op.Softmax(logits, axis=-1), op.Sub(one, use_sigmoid)),
                        op.Mul(op.Sigmoid(logits), use_sigmoid))
-        select = op.Add(probs, op.Mul(op.Cast(expert_bias, to=TensorProto.FLOAT), use_sigmoid))
+        select = op.Add(probs, op.Cast(expert_bias, to=TensorProto.FLOAT))
         k = op.Reshape(op.Constant(value_int=top_k), op.Constant(value_ints=[1]))
         _, idx = op.TopK(select, k, axis=-1)
         w = op.GatherElements(probs, idx, axis=-1)

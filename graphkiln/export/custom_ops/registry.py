@@ -115,5 +115,5 @@ def attach_functions(model) -> list[CustomOpSpec]:
             fn = ir.serde.deserialize_function(op_modules()[spec.name].onnx_function(opset))
             model.functions[fn.identifier()] = fn
     if used:
-        model.opset_imports.setdefault(DOMAIN, 1)
+        model.opset_imports.setdefault(DOMAIN, max(s.version for s in used.values()))
     return list(used.values())

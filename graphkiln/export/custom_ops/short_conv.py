@@ -45,6 +45,7 @@ def fake(x, weight, bias, state_pool, slot_idx, seq_lens, channels):
 
 def onnx_function(opset: int):
     import onnxscript
+    from onnx import TensorProto
     from onnxscript.values import Opset
 
     op = Opset("", opset)
@@ -59,7 +60,8 @@ def onnx_function(opset: int):
         y = op.Conv(ext, kernel, op.CastLike(bias, x), group=channels)
         width = op.Shape(state_pool, start=2, end=3)
         steps = op.Range(op.Constant(value_int=0), op.Squeeze(width), op.Constant(value_int=1))
-        idx = op.Add(op.Unsqueeze(seq_lens, op.Constant(value_ints=[1])), op.Unsqueeze(steps, op.Constant(value_ints=[0])))
+        lens = op.Cast(seq_lens, to=TensorProto.INT64)  # int32 indices are TensorRT's native type
+        idx = op.Add(op.Unsqueeze(lens, op.Constant(value_ints=[1])), op.Unsqueeze(steps, op.Constant(value_ints=[0])))
         idx = op.Expand(op.Unsqueeze(idx, op.Constant(value_ints=[1])), op.Shape(state))
         new_state = op.CastLike(op.GatherElements(ext, idx, axis=2), state_pool)
         return op.Transpose(y, perm=[0, 2, 1]), new_state

@@ -50,7 +50,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
     Each node becomes fp32 routing in standard ops + one ``com.microsoft.MoE`` (+ a Mul
     rescaling the output where the routing weights do not sum to 1). ``gate_up``
     initializers are replaced by interleaved copies (``<name>.ort_interleaved``); the
-    originals, and expert-bias initializers the routing does not read (softmax scoring),
+    originals, and all-zero expert-bias initializers (which cannot change the selection),
     are dropped when nothing else reads them. Adds the ``com.microsoft`` opset
     import; drops the MoE function and the ``graphkiln`` opset import once unused.
     Nodes whose weights have a type ORT's MoE has no CPU kernel for (e.g. bfloat16) are
@@ -135,7 +135,7 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
     lf = add("Cast", [logits], to=TensorProto.FLOAT)
     probs = add("Sigmoid", [lf]) if scoring == 1 else add("Softmax", [lf], axis=-1)
     select = probs
-    if scoring == 1 and bias and not _is_zero_initializer(inits.get(bias)):
+    if bias and not _is_zero_initializer(inits.get(bias)):
         select = add("Add", [probs, add("Cast", [bias], to=TensorProto.FLOAT)])
     _, idx = add("TopK", [select, const([top_k], np.int64, "k")], n_out=2, axis=-1, largest=1, sorted=1)
     w = add("GatherElements", [probs, idx], axis=-1)  # [T, k], unnormalized, unscaled

@@ -1,0 +1,737 @@
+"""graphkiln custom ops: every face of every op agrees, and the ops match the layers they replace.
+
+A custom op (``graphkiln.export.custom_ops``) has four faces that must agree:
+
+* torch: ``registry.torch_op(name)`` (the module's ``reference``), what the model code calls;
+* ONNX: one node in the ``graphkiln`` domain that onnxruntime runs through the attached
+  model-local function (``onnx_function``);
+* the ONNX schema registered for checkers (``register_onnx_schemas``);
+* the TensorRT plugin identity (``plugin_namespace::Name``, ``plugin_version``) carried on the node.
+
+Every op in ``registry.specs()`` needs an entry in ``OP_CASES`` (a test fails otherwise), which
+the generic face tests run on random inputs. Op-specific tests then compare the ops with the
+transformers layers they replace (Qwen3-MoE, Mixtral and LFM2-MoE sparse blocks; LFM2's short
+convolution) and with the semantics their docstrings state, for the torch reference and the
+onnxruntime-run function alike.
+
+Exported ONNX models are shared through the module-scoped ``exported`` cache (one export per op
+configuration, dynamic token/batch/sequence dims), so the whole file runs in about half a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphkiln.export.custom_ops import registry as R
+from graphkiln.export.custom_ops.spec import DOMAIN
+
+OPSET = 23
+FACES = ("torch", "onnx")
+
+# MoE sizes: hidden, experts, expert intermediate size, experts per token
+H, E, I, TOP_K = 32, 8, 16, 2
+# ShortConv sizes: channels, kernel, slots in the state pool
+C, K, SLOTS = 16, 3, 4
+
+MOE_ATTRS = ("top_k", "scoring", "normalize", "norm_eps", "routed_scaling")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen: torch.Generator, *shape, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _np(t):
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def assert_close(got, want, rel: float = 1e-5, what: str = "") -> None:
+    """max |got - want| <= rel * max |want| (the ``atol relative to output scale`` criterion)."""
+    got = np.asarray(_np(got), dtype=np.float64)
+    want = np.asarray(_np(want), dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-6)
+    err = float(np.abs(got - want).max()) if want.size else 0.0
+    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * output scale {scale:.3g}"
+
+
+class OpModule(torch.nn.Module):
+    """Calls one custom op with fixed attributes; every tensor input is a graph input."""
+
+    def __init__(self, name: str, attrs: tuple):
+        super().__init__()
+        self.op = R.torch_op(name)
+        self.attrs = attrs
+
+    def forward(self, *inputs):
+        return self.op(*inputs, *self.attrs)
+
+
+@dataclass
+class Exported:
+    model: object  # onnx.ModelProto
+    session: object  # onnxruntime.InferenceSession | None
+    session_error: str | None
+    used: list  # what attach_functions returned
+
+    def run(self, *inputs) -> list[np.ndarray]:
+        if self.session is None:
+            raise RuntimeError(f"onnxruntime could not load the exported model: {self.session_error}")
+        feeds = {i.name: _np(x) for i, x in zip(self.session.get_inputs(), inputs)}
+        assert len(feeds) == len(inputs), "graph inputs and op inputs differ in number"
+        return self.session.run(None, feeds)
+
+
+def _export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> Exported:
+    import onnxruntime as ort
+
+    if isinstance(module, OpModule):  # forward(*inputs): one varargs entry holding every input's dims
+        dynamic_shapes = (dynamic_shapes,)
+    prog = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET, verbose=False,
+                             custom_translation_table=R.translation_table(), dynamic_shapes=dynamic_shapes)
+    used = R.attach_functions(prog.model)
+    model = prog.model_proto
+    try:
+        session, error = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), None
+    except Exception as e:  # kept so the fp16 test can skip with the reason; fp32 tests fail on it
+        session, error = None, f"{type(e).__name__}: {e}"
+    return Exported(model, session, error, used)
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """Factory: ``exported(key, make)`` -> Exported, exporting ``make()``'s (module, args, dyn) once per file."""
+    cache: dict = {}
+
+    def get(key, make: Callable[[], tuple]) -> Exported:
+        if key not in cache:
+            cache[key] = _export(*make())
+        return cache[key]
+
+    return get
+
+
+# ----------------------------------------------------------------------------------------------
+# op cases: inputs, attributes and dynamic dims per op (every op in registry.specs() needs one)
+
+
+def moe_inputs(gen, tokens: int, dtype=torch.float32, bias_scale: float = 0.3):
+    return (_randn(gen, tokens, H, dtype=dtype),  # hidden
+            _randn(gen, tokens, E, scale=1.5, dtype=dtype),  # router_logits
+            _randn(gen, E, 2 * I, H, scale=0.3, dtype=dtype),  # gate_up
+            _randn(gen, E, H, I, scale=0.3, dtype=dtype),  # down
+            _randn(gen, E, scale=bias_scale))  # expert_bias (fp32, as the models keep it)
+
+
+def short_conv_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtype=torch.int64):
+    slot_idx = torch.randperm(SLOTS, generator=gen)[:batch].to(index_dtype)
+    seq_lens = torch.randint(0, seq + 1, (batch,), generator=gen).to(index_dtype)
+    seq_lens[0] = seq  # at least one full row
+    return (_randn(gen, batch, seq, C, dtype=dtype), _randn(gen, C, K, scale=0.5, dtype=dtype),
+            _randn(gen, C, dtype=dtype), _randn(gen, SLOTS, C, K - 1, dtype=dtype), slot_idx, seq_lens)
+
+
+def _moe_dyn():
+    t = torch.export.Dim("T")
+    return ({0: t}, {0: t}, None, None, None)
+
+
+def _short_conv_dyn():
+    b, s = torch.export.Dim("B"), torch.export.Dim("S")
+    return ({0: b, 1: s}, None, None, None, {0: b}, {0: b})
+
+
+@dataclass(frozen=True)
+class OpCase:
+    attrs: tuple  # attribute values, in spec order
+    make_inputs: Callable  # (generator, size) -> input tensors, in spec order
+    sizes: tuple  # sizes to run (the first also serves as the export example)
+    dynamic_shapes: Callable  # () -> torch.export dynamic_shapes for the inputs
+
+
+OP_CASES: dict[str, OpCase] = {
+    # sigmoid scoring with expert bias, normalize with eps, routed scaling: every routing knob on
+    "MoE": OpCase(attrs=(TOP_K, 1, 1, 1e-6, 1.5), make_inputs=lambda g, n: moe_inputs(g, n),
+                  sizes=(5, 1, 17), dynamic_shapes=_moe_dyn),
+    "ShortConv": OpCase(attrs=(C,), make_inputs=lambda g, bs: short_conv_inputs(g, *bs),
+                        sizes=((3, 6), (1, 1), (2, 9)), dynamic_shapes=_short_conv_dyn),
+}
+
+
+def _export_case(exported, name: str) -> Exported:
+    case = OP_CASES[name]
+
+    def make():
+        return OpModule(name, case.attrs), case.make_inputs(_gen(0), case.sizes[0]), case.dynamic_shapes()
+
+    return exported(("case", name), make)
+
+
+def test_every_custom_op_has_a_test_case():
+    assert set(OP_CASES) == set(R.specs()), (
+        f"custom ops without an entry in OP_CASES: {sorted(set(R.specs()) - set(OP_CASES))}; "
+        f"entries for unknown ops: {sorted(set(OP_CASES) - set(R.specs()))}")
+
+
+def test_specs_are_consistent():
+    for name, spec in R.specs().items():
+        assert spec.name == name
+        assert spec.domain == DOMAIN == "graphkiln"
+        assert len(spec.output_dtypes_from) == len(spec.outputs)
+        assert set(spec.output_dtypes_from) <= set(spec.inputs)
+        assert len({a.name for a in spec.attributes}) == len(spec.attributes)
+        assert {a.name for a in spec.attributes}.isdisjoint({"plugin_namespace", "plugin_version"})
+        assert all(a.kind in ("int", "float", "string") for a in spec.attributes)
+        assert spec.doc.strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. the four faces of every op agree
+
+
+@pytest.mark.parametrize("name", sorted(R.specs()))
+def test_torch_face_matches_onnxruntime_face(exported, name):
+    case = OP_CASES[name]
+    ex = _export_case(exported, name)
+    op = R.torch_op(name)
+    for i, size in enumerate(case.sizes):
+        inputs = case.make_inputs(_gen(100 + i), size)
+        want = op(*inputs, *case.attrs)
+        want = want if isinstance(want, tuple) else (want,)
+        got = ex.run(*inputs)
+        assert len(got) == len(want) == len(R.specs()[name].outputs)
+        for out_name, g, w in zip(R.specs()[name].outputs, got, want):
+            assert g.dtype == _np(w).dtype, f"{name}.{out_name} at {size}: dtype {g.dtype} != {w.dtype}"
+            assert_close(g, w, what=f"{name}.{out_name} at size {size}")
+
+
+@pytest.mark.parametrize("name", sorted(R.specs()))
+def test_torch_op_registration_and_fake(name):
+    """The torch face: the op is registered under its spec's name, and its fake matches the real op."""
+    spec = R.specs()[name]
+    case = OP_CASES[name]
+    op = R.torch_op(name)
+    assert op is getattr(torch.ops.graphkiln, spec.torch_name).default
+    assert str(op._schema).replace(" ", "").endswith(spec.torch_schema().replace(" ", ""))
+    args = (*case.make_inputs(_gen(7), case.sizes[-1]), *case.attrs)
+    result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("name", sorted(R.specs()))
+def test_onnx_schema_is_registered(name):
+    import onnx
+    from onnx.defs import OpSchema
+
+    R.register_onnx_schemas()
+    spec = R.specs()[name]
+    assert onnx.defs.has(spec.name, DOMAIN)
+    schema = onnx.defs.get_schema(spec.name, domain=DOMAIN)
+    assert schema.since_version == spec.version
+    assert [p.name for p in schema.inputs] == list(spec.inputs)
+    assert [p.name for p in schema.outputs] == list(spec.outputs)
+    kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING}
+    want = {a.name: kinds[a.kind] for a in spec.attributes}
+    want.update(plugin_namespace=OpSchema.AttrType.STRING, plugin_version=OpSchema.AttrType.STRING)
+    assert {n: a.type for n, a in schema.attributes.items()} == want
+
+
+@pytest.mark.parametrize("name", sorted(R.specs()))
+def test_tensorrt_plugin_identity(name):
+    spec = R.specs()[name]
+    assert spec.plugin_namespace == "graphkiln"
+    assert spec.plugin_id == f"graphkiln::{spec.name}"
+    assert isinstance(spec.plugin_version, str) and spec.plugin_version
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. exported graphs: opaque nodes with the plugin identity, functions attached, opset declared
+
+
+def _check_exported_graph(model, expected_ops: set[str]) -> None:
+    import onnx
+
+    onnx.checker.check_model(model, full_check=True)
+    specs = R.specs()
+    custom = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert {n.op_type for n in custom} == expected_ops
+    for node in custom:
+        spec = specs[node.op_type]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("plugin_namespace") == spec.plugin_namespace.encode(), node.name
+        assert attrs.get("plugin_version") == spec.plugin_version.encode(), node.name
+        assert set(attrs) == {a.name for a in spec.attributes} | {"plugin_namespace", "plugin_version"}
+        assert len(node.input) == len(spec.inputs) and len(node.output) == len(spec.outputs)
+    functions = {(f.domain, f.name): f for f in model.functions}
+    for op_name in expected_ops:
+        spec = specs[op_name]
+        fn = functions.get((DOMAIN, op_name))
+        assert fn is not None, f"no function {DOMAIN}.{op_name} attached"
+        assert list(fn.input) == list(spec.inputs) and len(fn.output) == len(spec.outputs)
+        fn_attrs = set(fn.attribute) | {a.name for a in fn.attribute_proto}
+        assert fn_attrs == {a.name for a in spec.attributes} | {"plugin_namespace", "plugin_version"}
+        assert len(fn.node) > 1  # the decomposition, not a single opaque node
+        assert all(n.domain in ("", "ai.onnx") for n in fn.node), "function must use standard ops only"
+    assert len(model.functions) == len(functions), "a function is attached twice"
+    imports = {o.domain: o.version for o in model.opset_import}
+    assert imports.get(DOMAIN) == max(specs[n].version for n in expected_ops)
+    assert imports.get("", imports.get("ai.onnx")) == OPSET
+    for out in model.graph.output:
+        assert out.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED, f"output {out.name} untyped"
+
+
+@pytest.mark.parametrize("name", sorted(R.specs()))
+def test_exported_graph_carries_plugin_identity_and_function(exported, name):
+    ex = _export_case(exported, name)
+    _check_exported_graph(ex.model, {name})
+    assert [s.name for s in ex.used] == [name]
+    # one opaque node: the exporter did not inline the op into standard ops
+    assert [n.op_type for n in ex.model.graph.node] == [name]
+    spec = R.specs()[name]
+    # output dtypes follow output_dtypes_from
+    import onnx
+
+    in_types = {i.name: i.type.tensor_type.elem_type for i in ex.model.graph.input}
+    node = next(n for n in ex.model.graph.node if n.domain == DOMAIN)
+    graph_in = {op_in: node.input[spec.inputs.index(op_in)] for op_in in spec.inputs}
+    for out_name, src in zip(spec.outputs, spec.output_dtypes_from):
+        out = node.output[spec.outputs.index(out_name)]
+        vi = {v.name: v for v in list(ex.model.graph.value_info) + list(ex.model.graph.output)}[out]
+        if graph_in[src] in in_types:
+            assert vi.type.tensor_type.elem_type == in_types[graph_in[src]], (out_name, src)
+        assert vi.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED
+
+
+class ConvThenMoE(torch.nn.Module):
+    """Both ops in one graph: short conv over the sequence, then routed experts on every token."""
+
+    def __init__(self):
+        super().__init__()
+        g = _gen(3)
+        self.router = torch.nn.Parameter(_randn(g, E, C))
+        self.gate_up = torch.nn.Parameter(_randn(g, E, 2 * I, C, scale=0.3))
+        self.down = torch.nn.Parameter(_randn(g, E, C, I, scale=0.3))
+        self.expert_bias = torch.nn.Buffer(_randn(g, E, scale=0.3))
+        self.weight = torch.nn.Parameter(_randn(g, C, K, scale=0.5))
+        self.bias = torch.nn.Parameter(_randn(g, C))
+
+    def forward(self, x, pool, slot_idx, seq_lens):
+        y, new_state = R.torch_op("ShortConv")(x, self.weight, self.bias, pool, slot_idx, seq_lens, C)
+        flat = y.reshape(-1, C)
+        out = R.torch_op("MoE")(flat, flat @ self.router.T, self.gate_up, self.down, self.expert_bias,
+                                TOP_K, 1, 1, 1e-6, 2.0)
+        return out.reshape(y.shape), new_state
+
+
+def _conv_then_moe_inputs(gen, batch, seq):
+    x, _, _, pool, slot_idx, seq_lens = short_conv_inputs(gen, batch, seq)
+    return x, pool, slot_idx, seq_lens
+
+
+def test_graph_with_both_ops(exported):
+    names = set(R.specs())
+    assert names == {"MoE", "ShortConv"}, "extend ConvThenMoE with the new op"
+    module = ConvThenMoE()
+
+    def make():
+        b, s = torch.export.Dim("B"), torch.export.Dim("S")
+        return module, _conv_then_moe_inputs(_gen(1), 3, 6), ({0: b, 1: s}, None, {0: b}, {0: b})
+
+    ex = exported("conv_then_moe", make)
+    _check_exported_graph(ex.model, names)
+    assert {s.name for s in ex.used} == names
+    for size in ((3, 6), (1, 1), (2, 4)):
+        inputs = _conv_then_moe_inputs(_gen(11), *size)
+        want = module(*inputs)
+        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state")):
+            assert_close(g, w, what=f"{what} at {size}")
+
+
+def test_attach_functions_is_idempotent(exported):
+    """Calling attach_functions again (e.g. after another pass) neither duplicates nor drops anything."""
+    import onnx_ir as ir
+
+    ex = _export_case(exported, "MoE")
+    model = ir.serde.deserialize_model(ex.model)
+    before = set(model.functions)
+    R.attach_functions(model)
+    assert set(model.functions) == before
+    _check_exported_graph(ir.serde.serialize_model(model), {"MoE"})
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE: the documented semantics, and the transformers blocks it replaces
+
+
+def moe_per_docstring(hidden, router_logits, gate_up, down, expert_bias, top_k, scoring, normalize, norm_eps,
+                      routed_scaling):
+    """moe.py's docstring, token by token in float64: an oracle independent of the implementation."""
+    hidden, logits = hidden.double(), router_logits.double()
+    gate_up, down, bias = gate_up.double(), down.double(), expert_bias.double()
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        scores = torch.sigmoid(logits[t]) if scoring == 1 else torch.softmax(logits[t], -1)
+        experts = torch.topk(scores + bias, top_k).indices  # "experts = top_k of scores + expert_bias"
+        w = scores[experts]
+        if normalize:
+            w = w / (w.sum() + norm_eps)
+        w = w * routed_scaling
+        for e, we in zip(experts.tolist(), w):
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            out[t] += we * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _moe_export(exported, attrs: tuple, dtype=torch.float32) -> Exported:
+    def make():
+        return OpModule("MoE", attrs), moe_inputs(_gen(0), 5, dtype), _moe_dyn()
+
+    return exported(("MoE", attrs, dtype), make)
+
+
+def _run_moe(exported, face: str, inputs: tuple, attrs: tuple) -> torch.Tensor:
+    if face == "torch":
+        return R.torch_op("MoE")(*inputs, *attrs)
+    return torch.from_numpy(_moe_export(exported, attrs, inputs[0].dtype).run(*inputs)[0])
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("scoring,normalize,norm_eps,routed_scaling", [
+    (1, 1, 1e-6, 2.0),  # LFM2-MoE
+    (1, 0, 0.0, 1.0),
+    (0, 1, 0.0, 1.0),  # Mixtral / Qwen3-MoE norm_topk_prob
+    (0, 0, 0.0, 2.5),
+    (0, 1, 0.5, 1.0),  # a large eps, so a missing or misplaced eps shows
+], ids=["sigmoid-norm-eps-scale", "sigmoid-plain", "softmax-norm", "softmax-plain-scale", "softmax-norm-bigeps"])
+def test_moe_matches_documented_semantics(exported, face, scoring, normalize, norm_eps, routed_scaling):
+    """Routing and experts exactly as moe.py's docstring states, with a non-zero expert_bias.
+
+    The bias is large enough to change which experts are selected; the docstring applies it to
+    the selection whatever the scoring ("experts = top_k of scores + expert_bias").
+    """
+    attrs = (TOP_K, scoring, normalize, norm_eps, routed_scaling)
+    for tokens in (1, 17):
+        inputs = moe_inputs(_gen(tokens), tokens, bias_scale=1.0)
+        got = _run_moe(exported, face, inputs, attrs)
+        want = moe_per_docstring(*inputs, *attrs)
+        assert_close(got, want, what=f"{face} face, {tokens} tokens")
+
+
+def test_moe_zero_expert_bias_is_neutral(exported):
+    """With zero bias, selection is by the scores alone (what softmax routers and bias-free LFM2 do)."""
+    for scoring in (0, 1):
+        attrs = (TOP_K, scoring, 1, 1e-6, 1.0)
+        h, lg, gu, dn, _ = moe_inputs(_gen(5), 9)
+        inputs = (h, lg, gu, dn, torch.zeros(E))
+        want = moe_per_docstring(*inputs, *attrs)
+        for face in FACES:
+            assert_close(_run_moe(exported, face, inputs, attrs), want, what=f"scoring {scoring}, {face}")
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Random values for every parameter and float buffer (transformers leaves fused experts empty)."""
+    g = _gen(seed)
+    scales = {"gate.weight": 0.5, "experts.gate_up_proj": 0.3, "experts.down_proj": 0.3, "expert_bias": 0.3}
+    with torch.no_grad():
+        for n, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if p.is_floating_point():
+                p.copy_(_randn(g, *p.shape, scale=scales.get(n, 0.3)))
+
+
+def _hf_moe_block(kind: str):
+    """(transformers block, MoE attributes) for a tiny random config of ``kind``."""
+    import transformers
+
+    common = dict(hidden_size=H, num_experts_per_tok=TOP_K, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=64)
+    if kind.startswith("qwen3"):
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        norm = kind == "qwen3_norm"
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=I, num_experts=E, norm_topk_prob=norm, **common)
+        block, attrs = Qwen3MoeSparseMoeBlock(cfg), (TOP_K, 0, int(norm), 0.0, 1.0)
+    elif kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = transformers.MixtralConfig(intermediate_size=I, num_local_experts=E, **common)
+        block, attrs = MixtralSparseMoeBlock(cfg), (TOP_K, 0, 1, 0.0, 1.0)
+    elif kind == "lfm2":
+        from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeSparseMoeBlock
+
+        cfg = transformers.Lfm2MoeConfig(moe_intermediate_size=I, num_experts=E, use_expert_bias=True,
+                                         norm_topk_prob=True, routed_scaling_factor=2.0, **common)
+        block, attrs = Lfm2MoeSparseMoeBlock(cfg), (TOP_K, 1, 1, 1e-6, 2.0)
+    else:
+        raise ValueError(kind)
+    _randomize(block.eval(), seed=sum(map(ord, kind)))
+    if kind == "lfm2":
+        assert block.expert_bias.abs().min() > 0
+    return block, attrs
+
+
+def _moe_op_inputs(block, hidden: torch.Tensor) -> tuple:
+    """The transformers block's weights mapped to the op's inputs."""
+    router = block.gate.weight  # [E, H]
+    assert router.shape == (E, H)
+    assert block.experts.gate_up_proj.shape == (E, 2 * I, H) and block.experts.down_proj.shape == (E, H, I)
+    bias = getattr(block, "expert_bias", None)
+    bias = torch.zeros(E) if bias is None else bias
+    return (hidden, hidden @ router.T, block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(),
+            bias.detach())
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("kind", ["qwen3_norm", "qwen3_nonorm", "mixtral", "lfm2"])
+def test_moe_matches_transformers_block(exported, kind, face):
+    block, attrs = _hf_moe_block(kind)
+    for tokens in (1, 17):
+        hidden = _randn(_gen(tokens), 1, tokens, H)
+        with torch.no_grad():
+            want = block(hidden)[0]
+            inputs = _moe_op_inputs(block, hidden[0])
+            got = _run_moe(exported, face, inputs, attrs)
+        assert_close(got, want, what=f"{kind}, {face} face, {tokens} tokens")
+
+
+def test_moe_routing_changes_with_the_knobs():
+    """Guard against a vacuous comparison: each HF setting really gives a different output here."""
+    block, _ = _hf_moe_block("lfm2")
+    hidden = _randn(_gen(17), 17, H)
+    inputs = _moe_op_inputs(block, hidden)
+    op = R.torch_op("MoE")
+    base = op(*inputs, TOP_K, 1, 1, 1e-6, 2.0)
+    for attrs in [(TOP_K, 0, 1, 1e-6, 2.0), (TOP_K, 1, 0, 1e-6, 2.0), (TOP_K, 1, 1, 1e-6, 1.0), (1, 1, 1, 1e-6, 2.0)]:
+        assert (op(*inputs, *attrs) - base).abs().max() > 1e-3 * base.abs().max(), attrs
+    zero_bias = op(*inputs[:4], torch.zeros(E), TOP_K, 1, 1, 1e-6, 2.0)
+    assert (zero_bias - base).abs().max() > 1e-3 * base.abs().max(), "expert_bias changes no selection"
+
+
+# ----------------------------------------------------------------------------------------------
+# ShortConv: transformers' LFM2 conv, chunked prefill + decode through the pool, ragged rows
+
+
+def _short_conv_export(exported, dtype=torch.float32, index_dtype=torch.int64) -> Exported:
+    def make():
+        return (OpModule("ShortConv", (C,)), short_conv_inputs(_gen(0), 3, 6, dtype, index_dtype),
+                _short_conv_dyn())
+
+    return exported(("ShortConv", dtype, index_dtype), make)
+
+
+def _run_short_conv(exported, face, x, weight, bias, pool, slot_idx, seq_lens):
+    if face == "torch":
+        return R.torch_op("ShortConv")(x, weight, bias, pool, slot_idx, seq_lens, C)
+    y, state = _short_conv_export(exported, x.dtype, seq_lens.dtype).run(x, weight, bias, pool, slot_idx, seq_lens)
+    return torch.from_numpy(y), torch.from_numpy(state)
+
+
+def _hf_short_conv(bias: bool):
+    import transformers
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    cfg = transformers.Lfm2Config(hidden_size=C, intermediate_size=2 * C, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=64, conv_L_cache=K, conv_bias=bias,
+                                  layer_types=["conv"])
+    layer = Lfm2ShortConv(cfg, layer_idx=0).eval()
+    _randomize(layer, seed=77 + bias)
+    return layer
+
+
+def _layer_conv_params(layer):
+    weight = layer.conv.weight.detach().squeeze(1)  # [C, K]
+    bias = layer.conv.bias.detach() if layer.conv.bias is not None else torch.zeros(C)
+    return weight, bias
+
+
+def _bx(layer, hidden):
+    """in_proj -> B, C, x as the HF layer splits them; returns (B * x, C gate), both [batch, S, C]."""
+    b, c, x = layer.in_proj(hidden).chunk(3, dim=-1)
+    return b * x, c
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("conv_bias", [True, False], ids=["bias", "nobias"])
+def test_short_conv_matches_transformers_lfm2(exported, face, conv_bias):
+    layer = _hf_short_conv(conv_bias)
+    weight, bias = _layer_conv_params(layer)
+    batch, seq = 3, 7
+    hidden = _randn(_gen(21), batch, seq, C)
+    with torch.no_grad():
+        want_layer = layer(hidden)  # no cache: the whole sequence from a zero state
+        bx, c_gate = _bx(layer, hidden)
+        want_conv = F.conv1d(bx.transpose(1, 2), weight.unsqueeze(1), bias, padding=K - 1, groups=C)[..., :seq]
+        want_conv = want_conv.transpose(1, 2)
+        pool = torch.zeros(SLOTS, C, K - 1)
+        slot_idx = torch.tensor([2, 0, 3])
+        y, new_state = _run_short_conv(exported, face, bx, weight, bias, pool, slot_idx, torch.full((batch,), seq))
+        assert_close(y, want_conv, what="conv output")
+        assert_close(layer.out_proj(c_gate * y), want_layer, what="layer output")
+        assert_close(new_state, bx[:, -(K - 1):].transpose(1, 2), what="new state = last K-1 inputs")
+
+
+def _state_after(prev_state, x_real):
+    """The documented new state: the last K-1 columns of state ++ real tokens ([C, K-1])."""
+    return torch.cat((prev_state, x_real.T), dim=1)[:, -(K - 1):]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_short_conv_chunked_prefill_then_decode_equals_whole(exported, face):
+    layer = _hf_short_conv(True)
+    weight, bias = _layer_conv_params(layer)
+    seq = 8
+    hidden = _randn(_gen(31), 1, seq, C)
+    with torch.no_grad():
+        bx, _ = _bx(layer, hidden)
+        whole, whole_state = _run_short_conv(exported, face, bx, weight, bias, torch.zeros(SLOTS, C, K - 1),
+                                             torch.tensor([1]), torch.tensor([seq]))
+        # the whole pass itself is transformers' convolution
+        want = F.conv1d(bx.transpose(1, 2), weight.unsqueeze(1), bias, padding=K - 1, groups=C)[..., :seq]
+        assert_close(whole, want.transpose(1, 2), what="whole pass vs transformers")
+
+        pool = _randn(_gen(32), SLOTS, C, K - 1)
+        pool[1] = 0  # slot 1 starts fresh; the other slots hold other sequences' states
+        others = pool.clone()
+        ys = []
+        for start, stop in [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8)]:  # prefill 4, then 1-token decode steps
+            y, new_state = _run_short_conv(exported, face, bx[:, start:stop], weight, bias, pool, torch.tensor([1]),
+                                           torch.tensor([stop - start]))
+            ys.append(y)
+            pool[1] = new_state[0]  # the caller writes the rows back into pool[slot_idx]
+        assert_close(torch.cat(ys, dim=1), whole, what="chunked outputs")
+        assert_close(pool[1], whole_state[0], what="state after the chunks")
+        mask = torch.ones(SLOTS, dtype=torch.bool)
+        mask[1] = False
+        assert torch.equal(pool[mask], others[mask]), "other slots changed"
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_short_conv_ragged_rows_and_slots(exported, face):
+    """Right-padded rows: outputs and states only from the real tokens; rows read their own slot."""
+    g = _gen(41)
+    weight, bias = _randn(g, C, K, scale=0.5), _randn(g, C)
+    pool = _randn(g, SLOTS, C, K - 1)  # distinct states, so reading the wrong slot shows
+    pool_before = pool.clone()
+    seq = 5
+    seq_lens = torch.tensor([5, 2, 1, 0])
+    slot_idx = torch.tensor([3, 0, 2, 1])
+    x = _randn(g, len(seq_lens), seq, C)
+    for b, n in enumerate(seq_lens.tolist()):
+        x[b, n:] = 1e4  # garbage padding: any leak into real outputs or states is obvious
+    y, new_state = _run_short_conv(exported, face, x, weight, bias, pool, slot_idx, seq_lens)
+    assert torch.equal(pool, pool_before), "the op modified its state_pool input"
+    for b, (n, slot) in enumerate(zip(seq_lens.tolist(), slot_idx.tolist())):
+        # each row alone, unpadded, from its own slot's state
+        if n:
+            ext = torch.cat((pool[slot], x[b, :n].T), dim=1)
+            want_y = F.conv1d(ext[None], weight.unsqueeze(1), bias, groups=C)[0].T
+            assert_close(y[b, :n], want_y, what=f"row {b} outputs")
+        assert_close(new_state[b], _state_after(pool[slot], x[b, :n]), what=f"row {b} state")
+    assert torch.equal(new_state[3], pool[1]), "a row with no tokens must keep its state"
+
+    # two rows of a smaller batch map to slots [3, 0]; writing back touches only those slots
+    y2, state2 = _run_short_conv(exported, face, x[:2], weight, bias, pool, torch.tensor([3, 0]), seq_lens[:2])
+    assert_close(y2, y[:2], what="batch of two")
+    written = pool.clone()
+    written[torch.tensor([3, 0])] = state2
+    assert torch.equal(written[1:3], pool[1:3]), "slots 1 and 2 must stay untouched"
+    assert_close(written[3], _state_after(pool[3], x[0]), what="slot 3")
+    assert_close(written[0], _state_after(pool[0], x[1, :2]), what="slot 0")
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_short_conv_interleaved_sequences_share_a_pool(exported, face):
+    """Two sequences of different lengths, batched ragged then decoded, each equal to its whole pass."""
+    g = _gen(51)
+    weight, bias = _randn(g, C, K, scale=0.5), _randn(g, C)
+    seqs = {3: _randn(g, 7, C), 0: _randn(g, 4, C)}  # slot -> the sequence's conv inputs
+    pool = torch.zeros(SLOTS, C, K - 1)
+    outputs = {s: [] for s in seqs}
+    pos = {s: 0 for s in seqs}
+    # step: {slot: tokens this step}; padded to the longest row
+    for step in [{3: 5, 0: 2}, {3: 1, 0: 1}, {0: 1}, {3: 1, 0: 0}]:
+        slots = list(step)
+        seq = max(step.values()) or 1
+        x = torch.zeros(len(slots), seq, C)
+        for b, s in enumerate(slots):
+            x[b, :step[s]] = seqs[s][pos[s]:pos[s] + step[s]]
+            x[b, step[s]:] = -3e3
+        y, new_state = _run_short_conv(exported, face, x, weight, bias, pool, torch.tensor(slots),
+                                       torch.tensor([step[s] for s in slots]))
+        for b, s in enumerate(slots):
+            outputs[s].append(y[b, :step[s]])
+            pos[s] += step[s]
+        pool[torch.tensor(slots)] = new_state
+    for s, full in seqs.items():
+        n = pos[s]
+        want = F.conv1d(full[:n].T[None], weight.unsqueeze(1), bias, padding=K - 1, groups=C)[0, :, :n].T
+        assert_close(torch.cat(outputs[s]), want, what=f"slot {s} outputs")
+        assert_close(pool[s], _state_after(torch.zeros(C, K - 1), full[:n]), what=f"slot {s} state")
+    assert not pool[1:3].any(), "unused slots changed"
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_short_conv_int32_indices(exported, face):
+    """slot_idx / seq_lens as int32 (TensorRT's native index type; the schema allows it)."""
+    inputs64 = short_conv_inputs(_gen(61), 3, 6)
+    inputs32 = (*inputs64[:4], inputs64[4].int(), inputs64[5].int())
+    want = R.torch_op("ShortConv")(*inputs64, C)
+    got = _run_short_conv(exported, face, *inputs32)
+    for g, w, what in zip(got, want, ("y", "new_state")):
+        assert_close(g, w, what=what)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. fp16 through the onnxruntime function
+
+
+def _ort_or_skip(ex: Exported) -> None:
+    if ex.session is None and ("NOT_IMPLEMENTED" in ex.session_error or "Could not find an implementation"
+                               in ex.session_error):
+        pytest.skip(f"onnxruntime CPU has no fp16 kernel for an op of the function: {ex.session_error[:300]}")
+
+
+def test_moe_fp16_onnxruntime(exported):
+    attrs = (TOP_K, 1, 1, 1e-6, 2.0)
+    ex = _moe_export(exported, attrs, torch.float16)
+    _ort_or_skip(ex)
+    assert ex.model.graph.output[0].type.tensor_type.elem_type == 10  # FLOAT16
+    for tokens in (1, 17):
+        inputs = moe_inputs(_gen(70 + tokens), tokens, torch.float16)
+        got = ex.run(*inputs)[0]
+        assert got.dtype == np.float16
+        want32 = R.torch_op("MoE")(*(t.float() for t in inputs), *attrs)
+        assert_close(got, want32, rel=1e-2, what=f"fp16 ORT vs fp32 reference, {tokens} tokens")
+        assert_close(got, R.torch_op("MoE")(*inputs, *attrs), rel=1e-2, what="fp16 ORT vs fp16 reference")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.float32], ids=["pool16", "pool32"])
+def test_short_conv_fp16_onnxruntime(exported, pool_dtype):
+    ex = _short_conv_export(exported, torch.float16)
+    _ort_or_skip(ex)
+    inputs = short_conv_inputs(_gen(81), 2, 9, torch.float16)
+    inputs = (*inputs[:3], inputs[3].to(pool_dtype), *inputs[4:])
+    if pool_dtype != torch.float16:  # the graph's pool input is fp16: export one with an fp32 pool
+        def make():
+            ex_in = short_conv_inputs(_gen(0), 3, 6, torch.float16)
+            return OpModule("ShortConv", (C,)), (*ex_in[:3], ex_in[3].float(), *ex_in[4:]), _short_conv_dyn()
+
+        ex = exported(("ShortConv", "fp16-pool32"), make)
+        _ort_or_skip(ex)
+    y, state = ex.run(*inputs)
+    assert y.dtype == np.float16 and state.dtype == _np(inputs[3]).dtype
+    want_y, want_state = R.torch_op("ShortConv")(*(t.float() if t.is_floating_point() else t for t in inputs), C)
+    assert_close(y, want_y, rel=1e-2, what="fp16 y")
+    assert_close(state, want_state, rel=1e-2, what="fp16 new_state")
