@@ -106,6 +106,53 @@ SPECS: dict[str, Spec] = {
             seed=16,
             features=("mha", "tied", "qk_norm", "sliding_window", "mixed_layer_types", "rms_norm_eps"),
         ),
+        # -- MoE and conv-state hybrids (custom ops graphkiln.MoE / graphkiln.ShortConv) --
+        Spec(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                 mlp_only_layers=[1], tie_word_embeddings=False),
+            seed=21,
+            features=("moe", "softmax_routing", "dense_and_moe_layers", "qk_norm"),
+        ),
+        Spec(
+            "mixtral",
+            "MixtralForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False),
+            seed=22,
+            features=("moe", "softmax_routing_renormalised"),
+        ),
+        Spec(
+            "lfm2",
+            "Lfm2ForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=23,
+            features=("conv_state", "hybrid", "tied"),
+        ),
+        Spec(
+            "lfm2_moe",
+            "Lfm2MoeForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=2.0,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=24,
+            features=("conv_state", "hybrid", "moe", "sigmoid_routing", "expert_bias"),
+        ),
+        Spec(
+            "lfm3",
+            "Lfm3ForCausalLM",
+            dict(_COMMON, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, sliding_window=8,
+                 layer_types=["conv", "sliding_attention", "full_attention", "sliding_attention"],
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=25,
+            features=("conv_state", "hybrid", "sliding_window", "two_kv_flavors", "attention_gate", "sandwich_norm"),
+        ),
     ]
 }
 
@@ -123,7 +170,7 @@ def traits(spec: Spec) -> set[str]:
         out.add("qk_norm")
     if c.get("head_dim") and c["head_dim"] != c["hidden_size"] // heads:
         out.add("explicit_head_dim")
-    if c.get("sliding_window") and (spec.architecture == "MistralForCausalLM" or c.get("use_sliding_window")):
+    if c.get("sliding_window") and (spec.architecture in ("MistralForCausalLM", "Lfm3ForCausalLM") or c.get("use_sliding_window")):
         out.add("sliding_window")
         if len(set(c.get("layer_types") or ())) > 1:
             out.add("mixed_layer_types")
@@ -161,6 +208,9 @@ def _randomize_init_constants(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif "norm" in name:
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):  # routing-only bias (LFM2-MoE): must be non-zero to be tested
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
 def build_checkpoint(spec: Spec, out_dir: Path, seed: int | None = None) -> Path:

@@ -108,8 +108,13 @@ def test_sliding_window_changes_the_reference(tiny, name):
 
     case = tiny(name)
     window = case.spec.config["sliding_window"]
-    overrides = {"sliding_window": None} if case.spec.architecture == "MistralForCausalLM" else {
-        "layer_types": ["full_attention"] * case.spec.config["num_hidden_layers"]}
+    if case.spec.architecture == "MistralForCausalLM":
+        overrides = {"sliding_window": None}
+    elif case.spec.architecture == "Lfm3ForCausalLM":
+        # sliding layers keep their own rope flavor, so widen the window instead of retyping them
+        overrides = {"sliding_window": 4096}
+    else:
+        overrides = {"layer_types": ["full_attention"] * case.spec.config["num_hidden_layers"]}
     full = AutoModelForCausalLM.from_pretrained(str(case.checkpoint), dtype=torch.float32, **overrides).eval()
     p = case.prompts((40,), salt=4)[0]
     windowed, unwindowed = forward_logits(case.reference, p), forward_logits(full, p)
@@ -123,7 +128,7 @@ def test_sliding_window_changes_the_reference(tiny, name):
 
 def _hf_windows(config) -> tuple:
     window = getattr(config, "sliding_window", None)
-    if config.model_type in ("llama", "mistral"):
+    if config.model_type in ("llama", "mistral", "mixtral", "qwen3_moe"):  # one window for every layer
         return (window,) * config.num_hidden_layers
     return tuple(window if t == "sliding_attention" else None for t in config.layer_types)
 

@@ -11,7 +11,9 @@ ARCH = "Qwen3MoeForCausalLM"
 
 def _parse(raw: dict):
     n = int(raw.get("num_hidden_layers", 0))
-    windows = windows_from_layer_types(raw) or (None,) * n
+    # Unlike dense Qwen3, the MoE model slides every layer when use_sliding_window is set.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    windows = windows_from_layer_types(raw) if raw.get("layer_types") else (window,) * n
     step, dense_only = int(raw.get("decoder_sparse_step", 1) or 1), set(raw.get("mlp_only_layers") or ())
     # Hub configs say num_experts; transformers 5 writes num_local_experts (an attribute_map alias).
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
