@@ -16,7 +16,8 @@ def _export(args) -> int:
     from graphkiln.export.pipeline import ExportOptions, export_model
 
     export_model(args.model, Path(args.output), ExportOptions(
-        dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite))
+        dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
+        target=args.target))
     return 0
 
 
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
     e.add_argument("--opset", type=int, default=23)
+    e.add_argument("--target", default="portable", choices=["portable", "onnxruntime"],
+                   help="portable: runs everywhere, TensorRT-parseable; onnxruntime: MoE lowered to "
+                        "com.microsoft.MoE (3-10x faster MoE layers on CPU)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 

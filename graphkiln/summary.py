@@ -32,12 +32,20 @@ def describe(root: Path, m: Manifest) -> str:
         if per_layer:
             lines.append(f"  ... and {per_layer} more per-layer state tensors (layers 1..)")
     for s in m.states:
+        if s.kind == "conv":
+            per_slot = s.channels * s.width * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
+            lines.append(f"state        conv on layers {_ranges(s.layers)}: {s.channels} channels x {s.width} "
+                         f"(kernel - 1) per slot, {s.dtype} ({_size(per_slot)}/request)")
+            continue
         window = f", sliding window {s.sliding_window}" if s.sliding_window else ", full attention"
         per_token = 2 * s.num_kv_heads * s.head_dim * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
         lines.append(
             f"state        {s.kind} on layers {_ranges(s.layers)}: {s.num_kv_heads} kv heads x {s.head_dim}, "
             f"max {s.max_seq_len} tokens, {s.dtype}{window} ({_size(per_token)}/token)"
         )
+    for op in m.custom_ops:
+        lines.append(f"custom op    {op.domain}.{op.name} v{op.version} (TensorRT plugin "
+                     f"{op.plugin_namespace}::{op.name} v{op.plugin_version}; onnxruntime runs its attached function)")
     g = m.generation
     lines.append(f"generation   eos {list(g.eos_token_ids)}, do_sample {g.do_sample}, temperature {g.temperature}, "
                  f"top_k {g.top_k}, top_p {g.top_p}, max_new_tokens {g.max_new_tokens}")

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
 """Decode benchmark: graphkiln artifact vs transformers ``generate`` on the same random weights.
 
-Default model: Llama-shaped, ~246M parameters (hidden 1024, 16 layers, 16/4 heads,
-intermediate 2816, vocab 32000). 128-token prompt, 128 greedy new tokens, 2 threads.
-Prints a markdown table (median of --repeats runs) and optionally writes JSON.
+Models (--model, default all), each ~250M parameters, vocab 32000, hidden 1024:
+  llama     16 layers, 16/4 heads, intermediate 2816 (~246M)
+  qwen3moe  12 layers, 16/4 heads, 8 experts top-2, expert intermediate 512 (~248M total,
+            ~134M active per token); exported with --target onnxruntime (MoE lowered)
+  lfm2      16 layers (10 short-conv, 6 attention), intermediate 2816, tied (~240M)
+128-token prompt, 128 greedy new tokens, 2 threads. Prints a markdown table (median of
+--repeats runs) and optionally writes JSON.
 
-    .venv/bin/python scripts/bench_decode.py [--threads 2] [--repeats 3] [--json out.json]
+    .venv/bin/python scripts/bench_decode.py [--model llama] [--threads 2] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,15 +25,27 @@ import time
 from pathlib import Path
 
 
-def build_checkpoint(path: Path, args) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+COMMON = dict(vocab_size=32000, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+              max_position_embeddings=2048)
+MODELS = {
+    "llama": ("LlamaConfig", dict(COMMON, num_hidden_layers=16, intermediate_size=2816, tie_word_embeddings=False), "portable"),
+    "qwen3moe": ("Qwen3MoeConfig", dict(COMMON, num_hidden_layers=12, head_dim=64, intermediate_size=2816,
+                                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                                        norm_topk_prob=True, tie_word_embeddings=False), "onnxruntime"),
+    "lfm2": ("Lfm2Config", dict(COMMON, num_hidden_layers=16, intermediate_size=2816, block_auto_adjust_ff_dim=False,
+                                layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True), "portable"),
+}
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=2048, tie_word_embeddings=False)
+
+def build_checkpoint(path: Path, model: str) -> None:
+    import torch
+    import transformers
+
+    config_name, kwargs, _ = MODELS[model]
+    cfg = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
 
 
 def bench_graphkiln(artifact: Path, prompt: list[int], new: int, threads: int, repeats: int) -> dict:
@@ -75,55 +91,64 @@ def bench_transformers(ckpt: Path, prompt: list[int], new: int, threads: int, re
             "tokens": out[0, len(prompt):].tolist()}
 
 
+def run_model(model: str, args, work: Path) -> dict:
+    import numpy as np
+
+    ckpt, art = work / model / "checkpoint", work / model / "artifact"
+    if not (ckpt / "config.json").exists():
+        ckpt.mkdir(parents=True, exist_ok=True)
+        build_checkpoint(ckpt, model)
+    target = MODELS[model][2]
+    export_s = export_rss = None
+    if not (art / "manifest.json").exists():
+        # In a child process so its peak RSS is the export's alone (RUSAGE_CHILDREN is the
+        # max over children, so run models in separate invocations to read each export's).
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "graphkiln.cli", "export", str(ckpt), "-o", str(art),
+                        "--max-seq-len", "1024", "--target", target], check=True)
+        export_s = time.perf_counter() - t
+        export_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    prompt = np.random.default_rng(0).integers(3, 32000, args.prompt_len).tolist()
+    ours = bench_graphkiln(art, prompt, args.new_tokens, args.threads, args.repeats)
+    ref = bench_transformers(ckpt, prompt, args.new_tokens, args.threads, args.repeats)
+    return {
+        "model": model, "target": target, "export_s": export_s, "export_peak_rss": export_rss,
+        "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")),
+        "artifact_bytes": sum(f.stat().st_size for f in art.iterdir()),
+        "agree": sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens"))),
+        "graphkiln": ours, "transformers": ref,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=[*MODELS, "all"], default="all")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--workdir", default=None, help="reuse checkpoint/artifact here across runs")
+    p.add_argument("--workdir", default=None, help="reuse checkpoints/artifacts here across runs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    import numpy as np
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gk-bench-"))
-    ckpt, art = work / "checkpoint", work / "artifact-fp32"
-    if not (ckpt / "config.json").exists():
-        ckpt.mkdir(parents=True, exist_ok=True)
-        build_checkpoint(ckpt, args)
-    export_s = export_rss = None
-    if not (art / "manifest.json").exists():
-        # In a child process so its peak RSS is the export's alone.
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "graphkiln.cli", "export", str(ckpt), "-o", str(art),
-                        "--max-seq-len", "1024"], check=True)
-        export_s = time.perf_counter() - t
-        export_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
-
-    ours = bench_graphkiln(art, prompt, args.new_tokens, args.threads, args.repeats)
-    ref = bench_transformers(ckpt, prompt, args.new_tokens, args.threads, args.repeats)
-    agree = sum(a == b for a, b in zip(ours["tokens"], ref["tokens"]))
-    weight_bytes = sum(f.stat().st_size for f in art.glob("*.data"))
-    rows = [("transformers generate fp32", ref), ("graphkiln fp32 (onnxruntime CPU)", ours)]
-    print(f"\nLlama-shaped {weight_bytes / 4e6:.0f}M params, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, median of {args.repeats}")
-    if export_s:
-        ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-        print(f"export {export_s:.1f}s, peak RSS {export_rss / 1e9:.2f} GB = {export_rss / ckpt_bytes:.2f}x the "
-              f"{ckpt_bytes / 1e9:.2f} GB checkpoint")
-    print("\n| runtime | prefill ms | decode tok/s | vs transformers |\n|---|---|---|---|")
-    for name, r in rows:
-        print(f"| {name} | {r['prefill_ms']:.0f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / ref['decode_tok_s']:.2f}x |")
-    print(f"\ngreedy tokens identical: {agree}/{args.new_tokens}; weights {weight_bytes / 1e9:.2f} GB read per decode step "
-          f"-> {weight_bytes * ours['decode_tok_s'] / 1e9:.1f} GB/s effective")
+    results = [run_model(m, args, work) for m in (MODELS if args.model == "all" else [args.model])]
+    print(f"\nprompt {args.prompt_len}, {args.new_tokens} greedy new tokens, {args.threads} threads, "
+          f"median of {args.repeats}\n")
+    print("| model | runtime | prefill ms | decode tok/s | vs transformers | greedy agree |\n|---|---|---|---|---|---|")
+    for r in results:
+        ref, ours = r["transformers"], r["graphkiln"]
+        print(f"| {r['model']} | transformers generate fp32 | {ref['prefill_ms']:.0f} | {ref['decode_tok_s']:.1f} | 1.00x | |")
+        print(f"| {r['model']} | graphkiln fp32 ({r['target']}) | {ours['prefill_ms']:.0f} | {ours['decode_tok_s']:.1f} | "
+              f"{ours['decode_tok_s'] / ref['decode_tok_s']:.2f}x | {r['agree']}/{args.new_tokens} |")
+    print()
+    for r in results:
+        if r["export_s"]:
+            print(f"{r['model']}: export {r['export_s']:.1f}s, peak RSS {r['export_peak_rss'] / 1e9:.2f} GB "
+                  f"({r['export_peak_rss'] / r['checkpoint_bytes']:.2f}x the {r['checkpoint_bytes'] / 1e9:.2f} GB checkpoint), "
+                  f"artifact {r['artifact_bytes'] / 1e9:.2f} GB")
     if args.json:
-        Path(args.json).write_text(json.dumps({"export_s": export_s, "export_peak_rss": export_rss, "graphkiln": {k: v for k, v in ours.items() if k != "tokens"},
-                                               "transformers": {k: v for k, v in ref.items() if k != "tokens"}}, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -21,6 +21,9 @@ class ExportOptions:
     dtype: str = "fp32"
     max_seq_len: int | None = None  # default: the config's max_position_embeddings
     opset: int = 23
+    # "portable": standard ONNX + graphkiln custom ops (functions attached), parseable by
+    # TensorRT; "onnxruntime": custom ops lowered to onnxruntime contrib ops where faster.
+    target: str = "portable"
     overwrite: bool = False
     progress: bool = True
 
@@ -28,6 +31,31 @@ class ExportOptions:
 def _say(opts: ExportOptions, msg: str) -> None:
     if opts.progress:
         print(msg, file=sys.stderr, flush=True)
+
+
+TARGETS = ("portable", "onnxruntime")
+
+
+def lower_for_onnxruntime(out_dir: Path, graph, used_ops):
+    """Rewrite the saved graph for onnxruntime (MoE -> com.microsoft.MoE), in place on disk."""
+    import dataclasses
+
+    import onnx
+
+    from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime
+
+    path = out_dir / graph.file
+    model = onnx.load(str(path), load_external_data=True)
+    rewritten = lower_moe_for_onnxruntime(model)
+    if rewritten:
+        data = path.with_name(path.name + ".data")
+        path.unlink()
+        data.unlink(missing_ok=True)
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=data.name, size_threshold=1024)
+    del model
+    remaining = [op for op in used_ops if not (op.name == "MoE" and rewritten)]
+    return dataclasses.replace(graph, target="onnxruntime"), remaining
 
 
 def tool_versions() -> dict[str, str]:
@@ -48,6 +76,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
+    if opts.target not in TARGETS:
+        raise GraphkilnError(f"--target {opts.target} is not supported: choose one of {', '.join(TARGETS)}")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     src = resolve_checkpoint(model)
@@ -72,6 +102,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
         graph, used_ops = export_decoder(decoder, tmp, opts.opset)
+        if opts.target == "onnxruntime":
+            graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops)
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
         del decoder
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s")
