@@ -17,7 +17,7 @@ def _export(args) -> int:
 
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
-        target=args.target))
+        target=args.target, quant=args.quant, quant_block_size=args.quant_block_size))
     return 0
 
 
@@ -98,9 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
     e.add_argument("--opset", type=int, default=23)
-    e.add_argument("--target", default="portable", choices=["portable", "onnxruntime"],
-                   help="portable: runs everywhere, TensorRT-parseable; onnxruntime: MoE lowered to "
-                        "com.microsoft.MoE (3-10x faster MoE layers on CPU)")
+    e.add_argument("--target", default=None, choices=["portable", "onnxruntime"],
+                   help="portable (default): runs everywhere, TensorRT-parseable; onnxruntime: MoE lowered to "
+                        "com.microsoft.MoE (3-10x faster MoE layers on CPU); implied by --quant")
+    e.add_argument("--quant", default=None, choices=["int4", "int8"],
+                   help="weight-only quantization of the Linear layers (RTN, block-wise, "
+                        "com.microsoft.MatMulNBits; onnxruntime target only)")
+    e.add_argument("--quant-block-size", type=int, default=32, metavar="N",
+                   help="weights per quantization block along the input features (power of two >= 16, default 32)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 

@@ -90,7 +90,9 @@ class ModelInfo:
     hidden_size: int
     num_layers: int
     num_parameters: int
-    dtype: str
+    dtype: str  # of activations and of the weights that are not quantized
+    quant: str | None = None  # weight-only quantization of the Linear layers: "int4" | "int8"
+    quant_block_size: int | None = None  # weights per quantization block (along the input features)
 
 
 @dataclass(frozen=True)

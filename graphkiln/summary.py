@@ -22,6 +22,9 @@ def describe(root: Path, m: Manifest) -> str:
         f"             {m.model.num_parameters / 1e6:.1f}M parameters, {m.model.num_layers} layers, "
         f"hidden {m.model.hidden_size}, vocab {m.model.vocab_size}, dtype {m.model.dtype}",
     ]
+    if m.model.quant:
+        lines.append(f"quant        {m.model.quant} weight-only (Linear layers, blocks of {m.model.quant_block_size}, "
+                     f"com.microsoft.MatMulNBits); embeddings and norms {m.model.dtype}")
     for g in m.graphs:
         lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target})")
         shown = [t for t in g.inputs if t.layer in (None, 0)] + [t for t in g.outputs if t.layer in (None, 0)]

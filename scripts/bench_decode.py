@@ -9,14 +9,19 @@ Models (--model, default all), each ~250M parameters, vocab 32000, hidden 1024:
 128-token prompt, 128 greedy new tokens, 2 threads. Prints a markdown table (median of
 --repeats runs) and optionally writes JSON.
 
-    .venv/bin/python scripts/bench_decode.py [--model llama] [--threads 2] [--repeats 3] [--json out.json]
+--quant int4 / --quant int8 (repeatable) adds rows for weight-only quantized artifacts
+(``graphkiln export --quant``, onnxruntime target) of the same checkpoint; "greedy agree"
+is then against the fp32 transformers tokens (random weights: near-tied logits, so low
+agreement is expected and says little), and "weights/token" is the bytes of weights read
+per decoded token (the data file minus the embedding table, of which one row is read).
+
+    .venv/bin/python scripts/bench_decode.py [--model llama] [--threads 2] [--repeats 3] [--quant int4] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import statistics
 import sys
@@ -91,32 +96,64 @@ def bench_transformers(ckpt: Path, prompt: list[int], new: int, threads: int, re
             "tokens": out[0, len(prompt):].tolist()}
 
 
+# Runs the export in a child process and reports that process's own peak RSS.
+_EXPORT = ("import resource, sys; from graphkiln.cli import main; rc = main(sys.argv[1:]); "
+           "print('peak_rss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr); sys.exit(rc)")
+
+
+def export(ckpt: Path, art: Path, target: str, quant: str | None) -> tuple[float | None, int | None]:
+    """Export unless ``art`` exists; (seconds, peak RSS bytes) of the export, or (None, None)."""
+    if (art / "manifest.json").exists():
+        return None, None
+    extra = ["--quant", quant] if quant else ["--target", target]
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _EXPORT, "export", str(ckpt), "-o", str(art), "--max-seq-len", "1024",
+                           *extra], check=True, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(proc.stderr)
+    rss = [int(l.split()[1]) for l in proc.stderr.splitlines() if l.startswith("peak_rss ")]
+    return time.perf_counter() - t, rss[-1] if rss else None
+
+
+def weights_per_token(art: Path) -> int:
+    """Bytes of weights read per decoded token: everything but the embedding table (one row of it)."""
+    from graphkiln.manifest import Manifest
+
+    m = Manifest.read(art).model
+    itemsize = 2 if m.dtype in ("fp16", "bf16") else 4
+    data = sum(f.stat().st_size for f in art.glob("*.onnx.data"))
+    return data - m.vocab_size * m.hidden_size * itemsize
+
+
 def run_model(model: str, args, work: Path) -> dict:
     import numpy as np
 
-    ckpt, art = work / model / "checkpoint", work / model / "artifact"
+    ckpt = work / model / "checkpoint"
     if not (ckpt / "config.json").exists():
         ckpt.mkdir(parents=True, exist_ok=True)
         build_checkpoint(ckpt, model)
     target = MODELS[model][2]
-    export_s = export_rss = None
-    if not (art / "manifest.json").exists():
-        # In a child process so its peak RSS is the export's alone (RUSAGE_CHILDREN is the
-        # max over children, so run models in separate invocations to read each export's).
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "graphkiln.cli", "export", str(ckpt), "-o", str(art),
-                        "--max-seq-len", "1024", "--target", target], check=True)
-        export_s = time.perf_counter() - t
-        export_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     prompt = np.random.default_rng(0).integers(3, 32000, args.prompt_len).tolist()
-    ours = bench_graphkiln(art, prompt, args.new_tokens, args.threads, args.repeats)
     ref = bench_transformers(ckpt, prompt, args.new_tokens, args.threads, args.repeats)
-    return {
-        "model": model, "target": target, "export_s": export_s, "export_peak_rss": export_rss,
+    ref_tokens = ref.pop("tokens")
+    rows = []
+    for quant in [None, *(args.quant or [])]:
+        art = work / model / ("artifact" if quant is None else f"artifact-{quant}")
+        export_s, export_rss = export(ckpt, art, target, quant)
+        ours = bench_graphkiln(art, prompt, args.new_tokens, args.threads, args.repeats)
+        rows.append({
+            "quant": quant, "target": target if quant is None else "onnxruntime",
+            "export_s": export_s, "export_peak_rss": export_rss,
+            "artifact_bytes": sum(f.stat().st_size for f in art.iterdir()),
+            "weights_per_token": weights_per_token(art),
+            "agree": sum(a == b for a, b in zip(ours.pop("tokens"), ref_tokens)),
+            "graphkiln": ours,
+        })
+    fp32 = rows[0]
+    return {  # the fp32 row's fields at the top level, as before --quant existed
+        "model": model, "target": target, "export_s": fp32["export_s"], "export_peak_rss": fp32["export_peak_rss"],
         "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")),
-        "artifact_bytes": sum(f.stat().st_size for f in art.iterdir()),
-        "agree": sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens"))),
-        "graphkiln": ours, "transformers": ref,
+        "artifact_bytes": fp32["artifact_bytes"], "weights_per_token": fp32["weights_per_token"], "agree": fp32["agree"],
+        "graphkiln": fp32["graphkiln"], "transformers": ref, "quantized": rows[1:],
     }
 
 
@@ -128,6 +165,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--workdir", default=None, help="reuse checkpoints/artifacts here across runs")
+    p.add_argument("--quant", action="append", choices=["int4", "int8"],
+                   help="also benchmark a weight-only quantized artifact (repeatable)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -135,18 +174,27 @@ def main() -> int:
     results = [run_model(m, args, work) for m in (MODELS if args.model == "all" else [args.model])]
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} greedy new tokens, {args.threads} threads, "
           f"median of {args.repeats}\n")
-    print("| model | runtime | prefill ms | decode tok/s | vs transformers | greedy agree |\n|---|---|---|---|---|---|")
+    print("| model | runtime | prefill ms | decode tok/s | vs transformers | greedy agree | weights/token |\n"
+          "|---|---|---|---|---|---|---|")
     for r in results:
-        ref, ours = r["transformers"], r["graphkiln"]
-        print(f"| {r['model']} | transformers generate fp32 | {ref['prefill_ms']:.0f} | {ref['decode_tok_s']:.1f} | 1.00x | |")
-        print(f"| {r['model']} | graphkiln fp32 ({r['target']}) | {ours['prefill_ms']:.0f} | {ours['decode_tok_s']:.1f} | "
-              f"{ours['decode_tok_s'] / ref['decode_tok_s']:.2f}x | {r['agree']}/{args.new_tokens} |")
+        ref = r["transformers"]
+        print(f"| {r['model']} | transformers generate fp32 | {ref['prefill_ms']:.0f} | {ref['decode_tok_s']:.1f} | 1.00x | | "
+              f"{r['weights_per_token'] / 1e9:.2f} GB |")
+        for row in [r, *r["quantized"]]:
+            ours = row["graphkiln"]
+            kind = f"{row['quant']} weights" if row.get("quant") else "fp32"
+            print(f"| {r['model']} | graphkiln {kind} ({row['target']}) | {ours['prefill_ms']:.0f} | {ours['decode_tok_s']:.1f} | "
+                  f"{ours['decode_tok_s'] / ref['decode_tok_s']:.2f}x | {row['agree']}/{args.new_tokens} | "
+                  f"{row['weights_per_token'] / 1e9:.2f} GB |")
     print()
     for r in results:
-        if r["export_s"]:
-            print(f"{r['model']}: export {r['export_s']:.1f}s, peak RSS {r['export_peak_rss'] / 1e9:.2f} GB "
-                  f"({r['export_peak_rss'] / r['checkpoint_bytes']:.2f}x the {r['checkpoint_bytes'] / 1e9:.2f} GB checkpoint), "
-                  f"artifact {r['artifact_bytes'] / 1e9:.2f} GB")
+        for row in [r, *r["quantized"]]:
+            if row["export_s"]:
+                rss = row["export_peak_rss"]
+                mem = (f"peak RSS {rss / 1e9:.2f} GB ({rss / r['checkpoint_bytes']:.2f}x the "
+                       f"{r['checkpoint_bytes'] / 1e9:.2f} GB checkpoint)" if rss else "peak RSS unknown")
+                print(f"{r['model']} {row.get('quant') or 'fp32'}: export {row['export_s']:.1f}s, {mem}, "
+                      f"artifact {row['artifact_bytes'] / 1e9:.2f} GB")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

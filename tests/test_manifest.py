@@ -34,14 +34,20 @@ def test_manifest_describes_the_model(case):
     assert m.model.dtype == "fp32"
     g = m.graph("decoder")
     assert (case.artifact / g.file).is_file()
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    conv_layers = [i for i, t in enumerate(types) if t == "conv"]
+    attn_layers = [i for i, t in enumerate(types) if t != "conv"]
     past = [t for t in g.inputs if t.role in ("past_key", "past_value")]
-    assert sorted({t.layer for t in past}) == list(range(cfg.num_hidden_layers))
+    assert sorted({t.layer for t in past}) == attn_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert all(t.shape == ("batch", cfg.num_key_value_heads, "cache_len", head_dim) for t in past)
-    # one state spec per distinct window, together covering every layer once
+    conv = [t for t in g.inputs if t.role == "conv_state"]
+    assert sorted(t.layer for t in conv) == conv_layers
+    # one kv state spec per distinct window plus one conv spec, together covering every layer once
     layers = sorted(l for s in m.states for l in s.layers)
     assert layers == list(range(cfg.num_hidden_layers))
-    assert all(s.max_seq_len == case.max_seq_len and s.kind == "kv" for s in m.states)
+    assert all(s.max_seq_len == case.max_seq_len for s in m.states if s.kind == "kv")
+    assert {s.kind for s in m.states} == ({"kv", "conv"} if conv_layers else {"kv"})
 
 
 def test_state_specs_follow_sliding_windows(tiny):

@@ -23,9 +23,18 @@ class ExportOptions:
     opset: int = 23
     # "portable": standard ONNX + graphkiln custom ops (functions attached), parseable by
     # TensorRT; "onnxruntime": custom ops lowered to onnxruntime contrib ops where faster.
-    target: str = "portable"
+    # None: "onnxruntime" when quant is set, else "portable".
+    target: str | None = None
     overwrite: bool = False
     progress: bool = True
+    # weight-only quantization of the Linear layers (com.microsoft.MatMulNBits, so
+    # onnxruntime-target only): None, "int4" or "int8"; block-wise along K.
+    quant: str | None = None
+    quant_block_size: int = 32
+
+    @property
+    def resolved_target(self) -> str:
+        return self.target or ("onnxruntime" if self.quant else "portable")
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -36,23 +45,43 @@ def _say(opts: ExportOptions, msg: str) -> None:
 TARGETS = ("portable", "onnxruntime")
 
 
-def lower_for_onnxruntime(out_dir: Path, graph, used_ops):
-    """Rewrite the saved graph for onnxruntime (MoE -> com.microsoft.MoE), in place on disk."""
+def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
+                          say=lambda msg: None):
+    """Rewrite the saved graph for onnxruntime, in place on disk: Linear weights -> int4/int8
+    com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
+
+    The graph is loaded once without its weights; the MoE pass loads them all (it rewrites
+    expert tensors), the quantizer reads each weight it quantizes from the data file, and
+    the rest are loaded only to be written into the new data file.
+    """
     import dataclasses
 
     import onnx
+    from onnx.external_data_helper import load_external_data_for_model
 
+    from graphkiln.export.custom_ops.spec import DOMAIN
     from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime
+    from graphkiln.export.lowering.quantize import QUANT_BITS, quantize_linear_weights
 
     path = out_dir / graph.file
-    model = onnx.load(str(path), load_external_data=True)
-    rewritten = lower_moe_for_onnxruntime(model)
-    if rewritten:
+    model = onnx.load(str(path), load_external_data=False)
+    has_moe = any(n.domain == DOMAIN and n.op_type == "MoE" for n in model.graph.node)
+    if has_moe:
+        load_external_data_for_model(model, str(out_dir))
+    quantized = 0
+    if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
+        stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir)
+        quantized = stats.nodes
+        say(f"      quantized {stats.summary()} ({quant}, block {quant_block_size})")
+    rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
+    if rewritten or quantized:
+        load_external_data_for_model(model, str(out_dir))  # what is left of the old data file
         data = path.with_name(path.name + ".data")
         path.unlink()
         data.unlink(missing_ok=True)
         onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=data.name, size_threshold=1024)
+        data.chmod(path.stat().st_mode & 0o777)  # onnx creates it owner-only; match the graph file
     del model
     remaining = [op for op in used_ops if not (op.name == "MoE" and rewritten)]
     return dataclasses.replace(graph, target="onnxruntime"), remaining
@@ -76,8 +105,23 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
-    if opts.target not in TARGETS:
-        raise GraphkilnError(f"--target {opts.target} is not supported: choose one of {', '.join(TARGETS)}")
+    target = opts.resolved_target
+    if target not in TARGETS:
+        raise GraphkilnError(f"--target {target} is not supported: choose one of {', '.join(TARGETS)}")
+    if opts.quant is not None:
+        from graphkiln.export.lowering.quantize import QUANT_BITS, block_size_ok
+
+        if opts.quant not in QUANT_BITS:
+            raise GraphkilnError(f"--quant {opts.quant} is not supported: choose one of {', '.join(QUANT_BITS)}")
+        if target != "onnxruntime":
+            raise GraphkilnError(f"--quant {opts.quant} needs --target onnxruntime: quantized artifacts are "
+                                 "onnxruntime-target (com.microsoft.MatMulNBits); drop --target portable")
+        if opts.dtype not in ("fp32", "fp16"):
+            raise GraphkilnError(f"--quant {opts.quant} needs --dtype fp32 or fp16 (onnxruntime has no CPU "
+                                 f"MatMulNBits for {opts.dtype})")
+        if not block_size_ok(opts.quant_block_size):
+            raise GraphkilnError(f"--quant-block-size {opts.quant_block_size} is not supported: use a power of "
+                                 "two >= 16 (e.g. 32, 64, 128)")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     src = resolve_checkpoint(model)
@@ -102,11 +146,14 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
         graph, used_ops = export_decoder(decoder, tmp, opts.opset)
-        if opts.target == "onnxruntime":
-            graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops)
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
-        del decoder
+        del decoder  # before the lowering, which loads (some of) the weights again
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s")
+        if target == "onnxruntime":
+            t2 = time.perf_counter()
+            graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops, opts.quant, opts.quant_block_size,
+                                                    say=lambda msg: _say(opts, msg))
+            _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t2:.1f}s")
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)
@@ -122,7 +169,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(
-            model=ModelInfo(archs[0], str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype),
+            model=ModelInfo(archs[0], str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
+                            quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None),
             graphs=(graph,),
             states=tuple(states),
             generation=generation_defaults(src, raw),
