@@ -33,10 +33,13 @@ first token)), peak RSS of the generation benchmark process (model load included
 tokens agreeing with transformers. Timings are the median of --repeats runs after a warm-up;
 exports run once. Every export and every generation benchmark is its own child process,
 started through a tiny wrapper whose resource.getrusage(RUSAGE_CHILDREN) is that child's peak
-RSS alone (in one parent, RUSAGE_CHILDREN is the maximum over *all* children so far).
+RSS alone (in one parent, RUSAGE_CHILDREN is the maximum over *all* children so far). The same
+wrapper reads /proc/stat around the child, so each row also shows how many CPUs' worth of other
+work ran meanwhile ("other work, CPUs"): anything well above 0 means that row's timings are
+pessimistic, so rerun on a quiet machine before trusting a comparison.
 
-It also measures this machine's memory bandwidth (numpy sum over a 1 GiB array, 1 thread and
---threads threads) and prints, per row, the weight bytes read per decode token (initializers,
+It also measures this machine's memory bandwidth (numpy sum and max over a 1 GiB array, 1 thread
+and --threads threads) and prints, per row, the weight bytes read per decode token (initializers,
 with gathered tables -- embeddings, rope caches -- counted as one row) and the GB/s that
 implies, so each row's distance from the bandwidth limit shows.
 
@@ -119,16 +122,35 @@ def _dir_bytes(p: Path) -> int:
 # hidden modes, run as child processes
 
 
+def _proc_stat() -> tuple[float, float] | None:
+    """(total, busy) CPU seconds since boot, all CPUs, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz  # idle + iowait are not busy
+
+
 def _mode_rss(argv: list[str]) -> int:
-    """_rss OUT.json CMD...: run CMD, write its exit status and peak RSS (bytes) to OUT.json."""
+    """_rss OUT.json CMD...: run CMD; write its exit status, wall time, peak RSS (bytes), CPU
+    seconds, and how many CPUs' worth of *other* work ran meanwhile (contention) to OUT.json."""
     import resource
 
     out, cmd = argv[0], argv[1:]
+    before = _proc_stat()
     t = time.perf_counter()
     rc = subprocess.run(cmd).returncode
     wall = time.perf_counter() - t
-    Path(out).write_text(json.dumps({"rc": rc, "wall_s": wall,
-                                     "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+    after = _proc_stat()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru.ru_utime + ru.ru_stime
+    others = None
+    if before and after and wall > 0:
+        others = max(0.0, (after[1] - before[1]) - cpu) / wall
+    Path(out).write_text(json.dumps({"rc": rc, "wall_s": wall, "peak_rss": ru.ru_maxrss * 1024, "cpu_s": cpu,
+                                     "others_cpus": others}))
     return rc
 
 
@@ -357,23 +379,41 @@ def ensure_venv(name: str, root: Path) -> tuple[Path | None, str | None]:
     return py, None
 
 
+def busy_cpus(seconds: float = 3.0) -> float:
+    """CPUs' worth of non-idle time over a short sample (/proc/stat), i.e. load from other work."""
+    a = _proc_stat()
+    time.sleep(seconds)
+    b = _proc_stat()
+    if not a or not b or b[0] <= a[0]:
+        return float("nan")
+    return (os.cpu_count() or 1) * (b[1] - a[1]) / (b[0] - a[0])
+
+
 def measure_bandwidth(threads: int) -> dict:
-    """Read bandwidth: numpy sum over a 1 GiB float32 array, best of 5, 1 thread and `threads`."""
+    """Read bandwidth over a 1 GiB float32 array, best of 5, with 1 thread and with `threads`.
+
+    Two numpy reductions: sum (pairwise summation, partly compute-bound on one core) and max
+    (lighter; usually nearer the memory limit). The higher figure is taken as the limit.
+    """
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
 
     a = np.ones(1 << 28, np.float32)  # 1 GiB, pages touched
     a.sum()
     out = {}
+    for kernel in ("sum", "max"):
+        fn = getattr(np, kernel)
+        for n in sorted({1, threads}):
+            parts = np.array_split(a, n)
+            best = float("inf")
+            with ThreadPoolExecutor(n) as pool:
+                for _ in range(5):
+                    t = time.perf_counter()
+                    list(pool.map(fn, parts))  # ufunc reductions release the GIL
+                    best = min(best, time.perf_counter() - t)
+            out[f"{kernel}_{n}_thread_gb_s"] = a.nbytes / best / 1e9
     for n in sorted({1, threads}):
-        parts = np.array_split(a, n)
-        best = float("inf")
-        with ThreadPoolExecutor(n) as pool:
-            for _ in range(5):
-                t = time.perf_counter()
-                list(pool.map(np.sum, parts))  # ufunc reductions release the GIL
-                best = min(best, time.perf_counter() - t)
-        out[f"{n}_thread_gb_s"] = a.nbytes / best / 1e9
+        out[f"{n}_thread_gb_s"] = max(out[f"sum_{n}_thread_gb_s"], out[f"max_{n}_thread_gb_s"])
     del a
     return out
 
@@ -496,7 +536,8 @@ def export_row(name: str, runner: str, precision: str, py: Path | None, ckpt: Pa
     if runner != "graphkiln":
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
-    result = {"export_s": stats["wall_s"], "export_peak_rss": stats["peak_rss"]}
+    result = {"export_s": stats["wall_s"], "export_peak_rss": stats["peak_rss"],
+              "export_others_cpus": stats.get("others_cpus")}
     record.write_text(json.dumps(result))
     return dict(result, reused=False)
 
@@ -511,7 +552,8 @@ def bench_row(runner: str, py: Path | None, path: Path, prompts: dict, args, tmp
     lines = [l for l in output.splitlines() if l.startswith("@@RESULT ")]
     if stats["rc"] != 0 or not lines:
         raise RuntimeError(f"generation benchmark failed (exit {stats['rc']}): {_tail(output)}")
-    return dict(json.loads(lines[-1][len("@@RESULT "):]), gen_peak_rss=stats["peak_rss"])
+    return dict(json.loads(lines[-1][len("@@RESULT "):]), gen_peak_rss=stats["peak_rss"], gen_wall_s=stats["wall_s"],
+                gen_cpu_s=stats.get("cpu_s"), others_cpus=stats.get("others_cpus"))
 
 
 def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, quant: tuple[bool, str]) -> dict:
@@ -586,28 +628,41 @@ def report(results: list[dict], machine: dict, args) -> None:
     bw = machine["bandwidth"]
     print(f"\n{args.threads} threads, prompts {'/'.join(map(str, PROMPT_LENS))} tokens, {args.new_tokens} greedy new "
           f"tokens after the 128-token prompt, median of {args.repeats} (exports: one run). "
-          f"Load average at start / end: {machine['loadavg_start']} / {machine['loadavg_end']}.\n")
+          f"Load average at start / end: {machine['loadavg_start']} / {machine['loadavg_end']}; CPUs kept busy by "
+          f"other processes (3 s sample) before / after: {machine['others_busy_cpus_start']:.1f} / "
+          f"{machine['others_busy_cpus_end']:.1f} of {machine['cpus']}.\n")
     print("| model | runtime | export s | export peak RSS GB | artifact GB | prefill 128 ms | prefill 512 ms "
-          "| decode tok/s | vs transformers | gen peak RSS GB | greedy agree |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode tok/s median (best) | vs transformers | gen peak RSS GB | greedy tokens = transformers "
+          "| other work, CPUs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for res in results:
         ref = next((r for r in res["rows"] if r["row"] == REFERENCE and r["status"] == "ok"), None)
         for r in res["rows"]:
             if r["status"] != "ok":
-                print(f"| {res['model']} | {r['row']} | {r['status']}: {r['reason'][:120]} |||||||||")
+                print(f"| {res['model']} | {r['row']} | {r['status']}: {r['reason'][:120]} ||||||||||")
                 continue
             exp = _num(r.get("export_s"), ".1f") + (" (reused)" if r.get("reused") and r.get("export_s") else "")
             if r.get("reused") and r.get("export_s") is None:
                 exp = "reused"
             speed = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref else "—"
-            agree = f"{r['agree']}/{len(r['tokens'])}" if "agree" in r else "—"
+            agree = "—"
+            if "agree" in r:
+                lead = r["first_divergence"] if r["first_divergence"] is not None else len(r["tokens"])
+                agree = f"{r['agree']}/{len(r['tokens'])} (first {lead} same)"
             print(f"| {res['model']} | {r['row']} | {exp} | {_gb(r.get('export_peak_rss'))} | {_gb(r['artifact_bytes'])} "
-                  f"| {r['prefill_ms']['128']:.0f} | {r['prefill_ms']['512']:.0f} | {r['decode_tok_s']:.1f} | {speed} "
-                  f"| {_gb(r['gen_peak_rss'])} | {agree} |")
+                  f"| {r['prefill_ms']['128']:.0f} | {r['prefill_ms']['512']:.0f} "
+                  f"| {r['decode_tok_s']:.1f} ({max(r['decode_tok_s_runs']):.1f}) | {speed} "
+                  f"| {_gb(r['gen_peak_rss'])} | {agree} | {_num(r.get('others_cpus'), '.2f')} |")
+    contended = [f"{res['model']} / {r['row']} ({r['others_cpus']:.2f})" for res in results for r in res["rows"]
+                 if r["status"] == "ok" and (r.get("others_cpus") or 0) > 0.1]
+    if contended:
+        print(f"\nNote: other work shared the {machine['cpus']} CPUs during: {', '.join(contended)}. Those rows' timings "
+              "are pessimistic; rerun (with --workdir to reuse the exports) on a quiet machine before comparing them.")
     n = args.threads
     limit = bw.get(f"{n}_thread_gb_s")
-    print(f"\nMemory bandwidth (numpy sum over 1 GiB, best of 5): 1 thread {bw['1_thread_gb_s']:.1f} GB/s, "
-          f"{n} threads {limit:.1f} GB/s.\n")
+    print(f"\nMemory bandwidth, numpy reductions over 1 GiB, best of 5: sum {bw['sum_1_thread_gb_s']:.1f} GB/s on 1 thread, "
+          f"{bw[f'sum_{n}_thread_gb_s']:.1f} GB/s on {n}; max {bw['max_1_thread_gb_s']:.1f} / {bw[f'max_{n}_thread_gb_s']:.1f} GB/s. "
+          f"Limit taken as {limit:.1f} GB/s ({n} threads, the higher of the two).\n")
     print(f"| model | runtime | weights read per decode token GB | implied GB/s | of the {n}-thread bandwidth |")
     print("|---|---|---|---|---|")
     for res in results:
@@ -617,7 +672,11 @@ def report(results: list[dict], machine: dict, args) -> None:
             gbs = r["bytes_per_token"] * r["decode_tok_s"] / 1e9
             r["implied_gb_s"] = gbs
             print(f"| {res['model']} | {r['row']} | {r['bytes_per_token'] / 1e9:.3f} | {gbs:.1f} | {gbs / limit:.0%} |")
-    print("\nWeights per token: every initializer, except tables only indexed by Gather (embeddings, rope "
+    print("\nOther work, CPUs: CPU time of every other process on the machine while this row's generation "
+          f"benchmark ran, divided by its wall time (0 = quiet; {machine['cpus']} = every core taken by something else).")
+    print("Greedy agreement: random weights give near-flat logits, so int4 rounding flips argmaxes early; "
+          "fp32 rows should match all tokens.")
+    print("Weights per token: every initializer, except tables only indexed by Gather (embeddings, rope "
           "caches), counted as one row; KV-cache reads (~2-4 MB/token here) not included.")
     skipped = [(res["model"], r) for res in results for r in res["rows"] if r["status"] != "ok"]
     if skipped:
@@ -658,6 +717,7 @@ def main() -> int:
             venv_errors[name] = err
             log(f"environment {name}: {err}")
     quant = graphkiln_has_quant()
+    machine["others_busy_cpus_start"] = busy_cpus()
 
     log("measuring memory bandwidth")
     machine["bandwidth"] = measure_bandwidth(args.threads)
@@ -672,6 +732,7 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     machine["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    machine["others_busy_cpus_end"] = busy_cpus()
     report(results, machine, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "threads": args.threads, "repeats": args.repeats,

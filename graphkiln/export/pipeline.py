@@ -45,6 +45,35 @@ def _say(opts: ExportOptions, msg: str) -> None:
 TARGETS = ("portable", "onnxruntime")
 
 
+def release_exporter_references() -> None:
+    """Let the torch weights go once the ONNX file is written.
+
+    onnxscript's graph rewrite rules (run by the exporter's optimizer) are module-level
+    objects whose pattern matchers keep the last graph they looked at, and through its
+    initializers every torch weight: after an export the whole checkpoint stays in memory
+    (onnxscript 0.7.2: 1.44 GB RSS for the 0.98 GB benchmark model before this, 0.49 GB
+    after). Resetting the matchers' state frees it before the lowering reads weights again.
+    Best effort: these are private attributes, and nothing happens if they change.
+    """
+    import gc
+
+    try:
+        from onnxscript.rewriter import _basics, _matcher
+    except ImportError:
+        return
+    kinds, todo = set(), [_matcher.PatternMatcher]
+    while todo:  # the matcher classes (exact types: no isinstance on arbitrary objects)
+        cls = todo.pop()
+        kinds.add(cls)
+        todo.extend(cls.__subclasses__())
+    for obj in gc.get_objects():
+        if type(obj) in kinds:
+            for attr, fresh in (("_graph", None), ("_current_node", None), ("_match", _basics.MatchResult)):
+                if hasattr(obj, attr):
+                    setattr(obj, attr, fresh() if fresh else None)
+    gc.collect()
+
+
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
                           say=lambda msg: None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Linear weights -> int4/int8
@@ -142,7 +171,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {archs[0]} weights from {src} as {opts.dtype}")
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
-        num_params = sum(p.numel() for p in {id(p): p for p in decoder.parameters()}.values())
+        # expert_bias is a routing buffer in the reference, not a parameter: don't count it
+        num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
         graph, used_ops = export_decoder(decoder, tmp, opts.opset)
@@ -151,6 +181,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s")
         if target == "onnxruntime":
             t2 = time.perf_counter()
+            release_exporter_references()
             graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops, opts.quant, opts.quant_block_size,
                                                     say=lambda msg: _say(opts, msg))
             _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t2:.1f}s")

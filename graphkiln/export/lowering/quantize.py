@@ -86,28 +86,28 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
+    nodes = list(graph.node)
+    consumers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
+    for idx, n in enumerate(nodes):
         for i in n.input:
-            consumers.setdefault(i, []).append(n)
+            consumers.setdefault(i, []).append(idx)
     graph_outputs = {o.name for o in graph.output}
     routers = _router_outputs(graph)
     names = _NameScope(graph)
 
-    quantized: dict[str, tuple[str, str, str, int, int]] = {}  # weight -> (q, scales, zp, K, N)
+    quantized: dict[tuple[str, bool], tuple[str, str, str, int, int]] = {}  # (weight, [N, K]?) -> (q, scales, zp, K, N)
     float_bytes = quant_bytes = 0
-    folded: dict[str, tuple[str, str]] = {}  # Add node name -> (bias initializer, its output)
-    replace: dict[int, onnx.NodeProto] = {}  # id(node) -> its MatMulNBits
-    drop_nodes: set[int] = set()
+    replace: dict[int, onnx.NodeProto] = {}  # node index -> its MatMulNBits
+    drop_nodes: set[int] = set()  # indices of folded bias Adds
     candidates: set[str] = set()
 
-    for node in graph.node:
+    for idx, node in enumerate(nodes):
         plan = _plan(node, inits)
         if plan is None or node.output[0] in routers:
             continue
         weight, transposed, bias = plan
-        if weight not in quantized:
-            init = inits[weight]
+        init = inits[weight]
+        if (weight, transposed) not in quantized:
             w = _read(init, base_dir)
             if transposed:  # Gemm transB=1: [N, K] -> [K, N]
                 w = w.T
@@ -119,27 +119,27 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
                        (names.fresh(f"{stem}.zero_points"), zp)]
             for name, arr in tensors:
                 _add_initializer(graph, name, arr)
-            quantized[weight] = (*(t[0] for t in tensors), k, n)
+            quantized[weight, transposed] = (*(t[0] for t in tensors), k, n)
             float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
             quant_bytes += sum(arr.nbytes for _, arr in tensors)
             candidates.add(weight)
-        qname, sname, zname, k, n = quantized[weight]
+        qname, sname, zname, k, n = quantized[weight, transposed]
         out = node.output[0]
         if bias is None and node.op_type == "MatMul":  # fold a following bias Add
-            bias, add = _bias_add(out, consumers, graph_outputs, inits, n)
+            bias, add = _bias_add(out, nodes, consumers, graph_outputs, inits, n, init.data_type)
             if add is not None:
-                drop_nodes.add(id(add))
-                out = add.output[0]
+                drop_nodes.add(add)
+                out = nodes[add].output[0]
         if bias is not None:
             candidates.add(bias)
         inputs = [node.input[0], qname, sname, zname] + (["", bias] if bias else [])
-        replace[id(node)] = helper.make_node(
+        replace[idx] = helper.make_node(
             "MatMulNBits", inputs, [out], name=names.fresh(f"{node.name or weight}/MatMulNBits"),
             domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=block_size, accuracy_level=accuracy_level)
 
     if not replace:
         return QuantStats(0, 0, 0, 0)
-    new_nodes = [replace.get(id(n), n) for n in graph.node if id(n) not in drop_nodes]
+    new_nodes = [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop_nodes]
     del graph.node[:]
     graph.node.extend(new_nodes)
     _drop_unused_initializers(graph, candidates)
@@ -178,19 +178,20 @@ def _plan(node: onnx.NodeProto, inits) -> tuple[str, bool, str | None] | None:
     return None
 
 
-def _bias_add(out: str, consumers, graph_outputs, inits, n: int):
-    """A bias Add reading ``out`` (its only reader) and a 1-D [N] initializer: (bias, node)."""
+def _bias_add(out: str, nodes, consumers, graph_outputs, inits, n: int, dtype: int):
+    """A bias Add reading ``out`` (its only reader) and a 1-D [N] initializer: (bias, node index)."""
     readers = consumers.get(out, [])
     if out in graph_outputs or len(readers) != 1:
         return None, None
-    add = readers[0]
+    index = readers[0]
+    add = nodes[index]
     if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
         return None, None
     other = add.input[1] if add.input[0] == out else add.input[0]
     b = inits.get(other)
-    if other == out or b is None or list(b.dims) != [n] or b.data_type not in _FLOAT_TYPES:
+    if other == out or b is None or list(b.dims) != [n] or b.data_type != dtype:
         return None, None
-    return other, add
+    return other, index
 
 
 def _router_outputs(graph: onnx.GraphProto) -> set[str]:
