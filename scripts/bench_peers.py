@@ -30,8 +30,11 @@ Figures per row: export/build seconds and peak RSS (one child process per export
 bytes, prefill ms at 128 and 512 prompt tokens (time to the first new token, fresh request),
 decode tokens/s over 128 greedy new tokens after a 128-token prompt ((new-1) / (total - time to
 first token)), peak RSS of the generation benchmark process (model load included), greedy
-tokens agreeing with transformers. Timings are the median of --repeats runs after a warm-up;
-exports run once. Every export and every generation benchmark is its own child process,
+tokens agreeing with transformers. Exports run once. Generation runs in --repeats rounds: each
+round runs every row once, in a fresh process (load, warm-up, one measured request of each
+kind), in alternating order, so a burst of other work lands on different rows in different
+rounds; the table shows the median over rounds (and the best decode rate). Every export and
+every generation benchmark is its own child process,
 started through a tiny wrapper whose resource.getrusage(RUSAGE_CHILDREN) is that child's peak
 RSS alone (in one parent, RUSAGE_CHILDREN is the maximum over *all* children so far). The same
 wrapper reads /proc/stat around the child, so each row also shows how many CPUs' worth of other
@@ -39,7 +42,7 @@ work ran meanwhile ("other work, CPUs"): anything well above 0 means that row's 
 pessimistic, so rerun on a quiet machine before trusting a comparison.
 
 It also measures this machine's memory bandwidth (numpy sum and max over a 1 GiB array, 1 thread
-and --threads threads) and prints, per row, the weight bytes read per decode token (initializers,
+and --threads threads; before the run, between rounds and after it, the highest counting) and prints, per row, the weight bytes read per decode token (initializers,
 with gathered tables -- embeddings, rope caches -- counted as one row) and the GB/s that
 implies, so each row's distance from the bandwidth limit shows.
 
@@ -545,7 +548,7 @@ def export_row(name: str, runner: str, precision: str, py: Path | None, ckpt: Pa
 def bench_row(runner: str, py: Path | None, path: Path, prompts: dict, args, tmp: Path, tag: str) -> dict:
     spec = tmp / f"{tag}.json"
     spec.write_text(json.dumps({"runner": runner, "path": str(path), "threads": args.threads,
-                                "new_tokens": args.new_tokens, "repeats": args.repeats,
+                                "new_tokens": args.new_tokens, "repeats": 1,
                                 "prompts": {str(n): p for n, p in prompts.items()}}))
     cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "_gen", str(spec)]
     stats, output = run_measured(cmd, tmp / f"{tag}.log", child_env(args.threads), timeout=args.row_timeout)
@@ -556,7 +559,8 @@ def bench_row(runner: str, py: Path | None, path: Path, prompts: dict, args, tmp
                 gen_cpu_s=stats.get("cpu_s"), others_cpus=stats.get("others_cpus"))
 
 
-def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, quant: tuple[bool, str]) -> dict:
+def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, quant: tuple[bool, str],
+              bw_samples: list) -> dict:
     import numpy as np
 
     mdir = work / model
@@ -570,43 +574,74 @@ def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, qu
     rng_ids = np.random.default_rng(0).integers(3, 32000, max(PROMPT_LENS)).tolist()
     prompts = {n: rng_ids[:n] for n in PROMPT_LENS}
     ckpt_weights = safetensors_weight_bytes(ckpt)
-    rows = []
+    rows, live = [], []  # live: (row, runner, python, path) still to be benchmarked
+    for name, runner, venv, precision in ROWS:
+        row = {"row": name, "status": "ok"}
+        rows.append(row)
+        why = None
+        if venv == "optimum" and args.skip_optimum:
+            why = "--skip-optimum"
+        elif venv is not None and venv_errors.get(venv):
+            why = f"environment {venv} unavailable: {venv_errors[venv]}"
+        elif name == "graphkiln int4" and not quant[0]:
+            why = quant[1]
+        if why:
+            row.update(status="skipped", reason=why)
+            log(f"{model} / {name}: skipped: {why}")
+            continue
+        py = pythons.get(venv)
+        try:
+            if runner == "transformers":
+                path = ckpt
+                row.update(export_s=None, export_peak_rss=None, artifact_bytes=_dir_bytes(ckpt))
+                row.update(ckpt_weights)
+            else:
+                path = mdir / name.replace(" ", "-")
+                row.update(export_row(name, runner, precision, py, ckpt, path, args, mdir))
+                row["artifact_bytes"] = _dir_bytes(path)
+                graph = next(p for p in (path / "decoder.onnx", path / "model.onnx") if p.exists())
+                row.update(onnx_weight_bytes(graph))
+            live.append((row, runner, py, path))
+        except Exception as e:  # one failing peer must not sink the others
+            row.update(status="failed", reason=f"{type(e).__name__}: {e}")
+            log(f"{model} / {name}: FAILED: {row['reason']}")
+
+    # Generation benchmarks in rounds: each round runs every row once (a fresh process: load,
+    # warm-up, one measured repeat), alternating the order, so a burst of other work on a shared
+    # machine lands on different rows in different rounds and the median across rounds absorbs it.
+    rounds: dict[str, list[dict]] = {row["row"]: [] for row, *_ in live}
     tmp = Path(tempfile.mkdtemp(prefix="gk-peers-run-"))
     try:
-        for name, runner, venv, precision in ROWS:
-            row = {"row": name, "status": "ok"}
-            rows.append(row)
-            why = None
-            if venv == "optimum" and args.skip_optimum:
-                why = "--skip-optimum"
-            elif venv is not None and venv_errors.get(venv):
-                why = f"environment {venv} unavailable: {venv_errors[venv]}"
-            elif name == "graphkiln int4" and not quant[0]:
-                why = quant[1]
-            if why:
-                row.update(status="skipped", reason=why)
-                log(f"{model} / {name}: skipped: {why}")
-                continue
-            py = pythons.get(venv)
-            slug = name.replace(" ", "-")
-            try:
-                if runner == "transformers":
-                    path = ckpt
-                    row.update(export_s=None, export_peak_rss=None, artifact_bytes=_dir_bytes(ckpt))
-                    row.update(ckpt_weights)
-                else:
-                    path = mdir / slug
-                    row.update(export_row(name, runner, precision, py, ckpt, path, args, mdir))
-                    row["artifact_bytes"] = _dir_bytes(path)
-                    graph = next(p for p in (path / "decoder.onnx", path / "model.onnx") if p.exists())
-                    row.update(onnx_weight_bytes(graph))
-                log(f"{model} / {name}: generation benchmark ({args.repeats} repeats)")
-                row.update(bench_row(runner, py, path, prompts, args, tmp, f"{model}-{slug}"))
-            except Exception as e:  # one failing peer must not sink the others
-                row.update(status="failed", reason=f"{type(e).__name__}: {e}")
-                log(f"{model} / {name}: FAILED: {row['reason']}")
+        for k in range(args.repeats):
+            for row, runner, py, path in (live if k % 2 == 0 else live[::-1]):
+                if row["status"] != "ok":
+                    continue
+                log(f"{model} / {row['row']}: generation benchmark, round {k + 1}/{args.repeats}")
+                try:
+                    rounds[row["row"]].append(bench_row(runner, py, path, prompts, args, tmp,
+                                                        f"{model}-{row['row'].replace(' ', '-')}-{k}"))
+                except Exception as e:
+                    row.update(status="failed", reason=f"{type(e).__name__}: {e}")
+                    log(f"{model} / {row['row']}: FAILED: {row['reason']}")
+            bw_samples.append(measure_bandwidth(args.threads))  # between rounds: a chance at a quiet moment
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for row, *_ in live:
+        runs = rounds[row["row"]]
+        if row["status"] != "ok":
+            continue
+        prefill_runs = {n: [x for r in runs for x in r["prefill_ms_runs"][n]] for n in runs[0]["prefill_ms_runs"]}
+        decode_runs = [x for r in runs for x in r["decode_tok_s_runs"]]
+        others = [r["others_cpus"] for r in runs if r.get("others_cpus") is not None]
+        row.update(
+            prefill_ms={n: statistics.median(v) for n, v in prefill_runs.items()}, prefill_ms_runs=prefill_runs,
+            decode_tok_s=statistics.median(decode_runs), decode_tok_s_runs=decode_runs,
+            load_s=statistics.median(r["load_s"] for r in runs),
+            gen_peak_rss=max(r["gen_peak_rss"] for r in runs),
+            others_cpus=statistics.mean(others) if others else None, others_cpus_runs=others,
+            tokens=runs[-1]["tokens"], deterministic=all(r["tokens"] == runs[-1]["tokens"] for r in runs),
+            versions=runs[-1]["versions"],
+        )
     ref = next((r for r in rows if r["row"] == REFERENCE and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] == "ok" and ref is not None:
@@ -627,7 +662,7 @@ def _num(x, fmt: str) -> str:
 def report(results: list[dict], machine: dict, args) -> None:
     bw = machine["bandwidth"]
     print(f"\n{args.threads} threads, prompts {'/'.join(map(str, PROMPT_LENS))} tokens, {args.new_tokens} greedy new "
-          f"tokens after the 128-token prompt, median of {args.repeats} (exports: one run). "
+          f"tokens after the 128-token prompt, median of {args.repeats} interleaved rounds (exports: one run). "
           f"Load average at start / end: {machine['loadavg_start']} / {machine['loadavg_end']}; CPUs kept busy by "
           f"other processes (3 s sample) before / after: {machine['others_busy_cpus_start']:.1f} / "
           f"{machine['others_busy_cpus_end']:.1f} of {machine['cpus']}.\n")
@@ -660,7 +695,7 @@ def report(results: list[dict], machine: dict, args) -> None:
               "are pessimistic; rerun (with --workdir to reuse the exports) on a quiet machine before comparing them.")
     n = args.threads
     limit = bw.get(f"{n}_thread_gb_s")
-    print(f"\nMemory bandwidth, numpy reductions over 1 GiB, best of 5: sum {bw['sum_1_thread_gb_s']:.1f} GB/s on 1 thread, "
+    print(f"\nMemory bandwidth, numpy reductions over 1 GiB, best of 5, highest of {len(machine['bandwidth_samples'])} samples (before, between rounds, after): sum {bw['sum_1_thread_gb_s']:.1f} GB/s on 1 thread, "
           f"{bw[f'sum_{n}_thread_gb_s']:.1f} GB/s on {n}; max {bw['max_1_thread_gb_s']:.1f} / {bw[f'max_{n}_thread_gb_s']:.1f} GB/s. "
           f"Limit taken as {limit:.1f} GB/s ({n} threads, the higher of the two).\n")
     print(f"| model | runtime | weights read per decode token GB | implied GB/s | of the {n}-thread bandwidth |")
@@ -673,7 +708,7 @@ def report(results: list[dict], machine: dict, args) -> None:
             r["implied_gb_s"] = gbs
             print(f"| {res['model']} | {r['row']} | {r['bytes_per_token'] / 1e9:.3f} | {gbs:.1f} | {gbs / limit:.0%} |")
     print("\nOther work, CPUs: CPU time of every other process on the machine while this row's generation "
-          f"benchmark ran, divided by its wall time (0 = quiet; {machine['cpus']} = every core taken by something else).")
+          f"benchmarks ran, divided by their wall time, mean over rounds (0 = quiet; {machine['cpus']} = every core taken by something else).")
     print("Greedy agreement: random weights give near-flat logits, so int4 rounding flips argmaxes early; "
           "fp32 rows should match all tokens.")
     print("Weights per token: every initializer, except tables only indexed by Gather (embeddings, rope "
@@ -720,19 +755,24 @@ def main() -> int:
     machine["others_busy_cpus_start"] = busy_cpus()
 
     log("measuring memory bandwidth")
-    machine["bandwidth"] = measure_bandwidth(args.threads)
+    bw_samples = [measure_bandwidth(args.threads)]
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gk-peers-"))
     work.mkdir(parents=True, exist_ok=True)
     log(f"work directory: {work}")
     try:
-        results = [run_model(m, args, work, pythons, venv_errors, quant)
+        results = [run_model(m, args, work, pythons, venv_errors, quant, bw_samples)
                    for m in (MODELS if args.model == "all" else [args.model])]
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     machine["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     machine["others_busy_cpus_end"] = busy_cpus()
+    # Measured before, between rounds and after; the highest of each figure counts (other work
+    # only lowers it).
+    bw_samples.append(measure_bandwidth(args.threads))
+    machine["bandwidth_samples"] = bw_samples
+    machine["bandwidth"] = {k: max(b[k] for b in bw_samples) for k in bw_samples[0]}
     report(results, machine, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "threads": args.threads, "repeats": args.repeats,
