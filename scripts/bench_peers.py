@@ -42,9 +42,10 @@ work ran meanwhile ("other work, CPUs"): anything well above 0 means that row's 
 pessimistic, so rerun on a quiet machine before trusting a comparison.
 
 It also measures this machine's memory bandwidth (numpy sum and max over a 1 GiB array, 1 thread
-and --threads threads; before the run, between rounds and after it, the highest counting) and prints, per row, the weight bytes read per decode token (initializers,
-with gathered tables -- embeddings, rope caches -- counted as one row) and the GB/s that
-implies, so each row's distance from the bandwidth limit shows.
+and --threads threads; before the run, between rounds and after it, the highest counting) and
+prints, per row, the weight bytes read per decode token (initializers, with gathered tables --
+embeddings, rope caches -- counted as one row) and the GB/s that implies, so each row's distance
+from the bandwidth limit shows.
 
     .venv/bin/python scripts/bench_peers.py [--model llama|qwen3|all] [--threads 2] [--repeats 3]
         [--workdir DIR] [--json out.json] [--skip-optimum] [--venv-dir .bench-venvs]
@@ -695,7 +696,8 @@ def report(results: list[dict], machine: dict, args) -> None:
               "are pessimistic; rerun (with --workdir to reuse the exports) on a quiet machine before comparing them.")
     n = args.threads
     limit = bw.get(f"{n}_thread_gb_s")
-    print(f"\nMemory bandwidth, numpy reductions over 1 GiB, best of 5, highest of {len(machine['bandwidth_samples'])} samples (before, between rounds, after): sum {bw['sum_1_thread_gb_s']:.1f} GB/s on 1 thread, "
+    print(f"\nMemory bandwidth, numpy reductions over 1 GiB, best of 5, highest of {len(machine['bandwidth_samples'])} "
+          f"samples (before, between rounds, after): sum {bw['sum_1_thread_gb_s']:.1f} GB/s on 1 thread, "
           f"{bw[f'sum_{n}_thread_gb_s']:.1f} GB/s on {n}; max {bw['max_1_thread_gb_s']:.1f} / {bw[f'max_{n}_thread_gb_s']:.1f} GB/s. "
           f"Limit taken as {limit:.1f} GB/s ({n} threads, the higher of the two).\n")
     print(f"| model | runtime | weights read per decode token GB | implied GB/s | of the {n}-thread bandwidth |")
@@ -727,7 +729,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=[*MODELS, "all"], default="all")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of generation benchmarks; the median is shown")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--workdir", default=None, help="keep and reuse checkpoints/artifacts here (default: a temporary "
                                                   "directory, removed at the end)")
