@@ -8,4 +8,6 @@ valid for that runtime.
 
 * ``ort_moe.lower_moe_for_onnxruntime`` — ``graphkiln.MoE`` -> routing in standard ops +
   ``com.microsoft.MoE``.
+* ``quantize.quantize_linear_weights`` — Linear MatMul/Gemm weights -> int4/int8
+  block-wise ``com.microsoft.MatMulNBits`` (routers feeding MoE stay float).
 """
