@@ -76,7 +76,8 @@ def release_exporter_references() -> None:
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
                           say=lambda msg: None):
-    """Rewrite the saved graph for onnxruntime, in place on disk: Linear weights -> int4/int8
+    """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
+    com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
 
     The graph is loaded once without its weights; the MoE pass loads them all (it rewrites
@@ -89,6 +90,8 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     from onnx.external_data_helper import load_external_data_for_model
 
     from graphkiln.export.custom_ops.spec import DOMAIN
+    from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
+    from graphkiln.export.lowering.ort_fusions import fuse_parallel_matmuls, fuse_skip_rmsnorm, pack_gqa_qkv
     from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime
     from graphkiln.export.lowering.quantize import QUANT_BITS, quantize_linear_weights
 
@@ -97,13 +100,19 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     has_moe = any(n.domain == DOMAIN and n.op_type == "MoE" for n in model.graph.node)
     if has_moe:
         load_external_data_for_model(model, str(out_dir))
+    graph, attention = lower_attention_for_onnxruntime(model, graph)
+    fused = fuse_parallel_matmuls(model, base_dir=out_dir)
+    packed = pack_gqa_qkv(model)
+    skip_norms = fuse_skip_rmsnorm(model)
+    say(f"      {attention} attention -> GroupQueryAttention ({packed} with packed q/k/v), {fused} MatMuls fused "
+        f"into their siblings, {skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
         stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir)
         quantized = stats.nodes
         say(f"      quantized {stats.summary()} ({quant}, block {quant_block_size})")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
-    if rewritten or quantized:
+    if rewritten or quantized or fused:  # weights changed: write a new data file
         load_external_data_for_model(model, str(out_dir))  # what is left of the old data file
         data = path.with_name(path.name + ".data")
         path.unlink()
@@ -111,8 +120,10 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=data.name, size_threshold=1024)
         data.chmod(path.stat().st_mode & 0o777)  # onnx creates it owner-only; match the graph file
+    elif attention or skip_norms:  # only nodes changed: the initializers still point into the same data file
+        onnx.save(model, str(path))
     del model
-    remaining = [op for op in used_ops if not (op.name == "MoE" and rewritten)]
+    remaining = [op for op in used_ops if not (op.name == "MoE" and rewritten) and not (op.name == "Attention" and attention)]
     return dataclasses.replace(graph, target="onnxruntime"), remaining
 
 
@@ -171,6 +182,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {archs[0]} weights from {src} as {opts.dtype}")
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
+        decoder.set_rope_positions(max_seq_len)
         # expert_bias is a routing buffer in the reference, not a parameter: don't count it
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
@@ -192,7 +204,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         attention = cfg.layers_of("attention")
         for window in dict.fromkeys(cfg.layers[i].window for i in attention):
             layers = tuple(i for i in attention if cfg.layers[i].window == window)
-            states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype, sliding_window=window))
+            in_place = any(t.role == "present_key" and t.layer in layers for t in graph.outputs)
+            states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype,
+                                    update="in_place" if in_place else "scatter_rows", sliding_window=window))
         if cfg.layers_of("conv"):
             states.append(StateSpec("conv", cfg.layers_of("conv"), 0, 0, max_seq_len, state_dtype,
                                     layout="slots,channels,width", update="slot_rows",

@@ -46,11 +46,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, spec: LayerSpec) -> None:
         super().__init__()
@@ -68,32 +63,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+    def forward(self, x, rope_tables, position_ids, past_k, past_v):
+        from graphkiln.export.custom_ops.registry import torch_op
 
-        keys = torch.cat((past_k, k), dim=2)
-        values = torch.cat((past_v, v), dim=2)
-        # Grouped-query attention without copying the cache per head: fold each KV group's
-        # query heads into the sequence axis so one batched matmul serves the whole group.
-        rep = self.num_heads // self.num_kv_heads
-        qg = q.reshape(b, self.num_kv_heads, rep * s, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(2, 3)) * (self.head_dim**-0.5)
-        scores = scores.to(torch.float32).view(b, self.num_kv_heads, rep, s, -1)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(x.dtype).view(b, self.num_kv_heads, rep * s, -1)
-        out = torch.matmul(probs, values).view(b, self.num_heads, s, self.head_dim).transpose(1, 2)
+        b, s, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(b, s, self.num_heads, self.head_dim)).view(b, s, -1)
+            k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
+        cos, sin = rope_tables
+        out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, self.num_heads,
+                                                  self.num_kv_heads, self.window or 0, self.head_dim**-0.5)
         if self.g_proj is not None:
-            out = out * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
-        out = out.reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(out), k, v
+            out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
+        return self.o_proj(out), new_k, new_v
 
 
 class ShortConv(nn.Module):
@@ -177,12 +160,11 @@ class DecoderLayer(nn.Module):
         else:
             self.post_mixer_norm = self.post_ffn_norm = None
 
-    def forward(self, x, rope, masks, state, slot_idx, seq_lens):
+    def forward(self, x, rope, position_ids, state, slot_idx, seq_lens):
         """Returns the new hidden states and this layer's new state rows (a tuple)."""
         h = self.input_layernorm(x)
         if self.spec.mixer == "attention":
-            cos, sin = rope[self.spec.rope]
-            h, k, v = self.self_attn(h, cos, sin, masks[self.spec.window], *state)
+            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state)
             new = (k, v)
         else:
             h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
@@ -206,26 +188,6 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def attention_mask(position_ids: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
-    """Boolean [batch, 1, 1, seq, cache_len + seq]: may query (b, q) see key k?
-
-    Keys are the cache (positions 0..cache_len-1) followed by the new tokens. A cached key
-    at position j is valid only below the row's start; a new key is visible causally by
-    position, and within ``window`` positions when the layer slides.
-    """
-    start = position_ids[:, :1]  # [b, 1]
-    cache_pos = torch.arange(cache_len, device=position_ids.device).unsqueeze(0).expand(position_ids.shape[0], -1)
-    key_pos = torch.cat((cache_pos, position_ids), dim=1)  # [b, cache_len + seq]
-    q_pos = position_ids.unsqueeze(2)  # [b, seq, 1]
-    k_pos = key_pos.unsqueeze(1)  # [b, 1, keys]
-    visible = k_pos <= q_pos
-    cached = torch.cat((cache_pos < start, torch.ones_like(position_ids, dtype=torch.bool)), dim=1)
-    visible = visible & cached.unsqueeze(1)
-    if window is not None:
-        visible = visible & (k_pos > q_pos - window)
-    return visible[:, None, None]
-
-
 class DecoderForExport(nn.Module):
     """Causal LM whose forward is the graph contract in this module's docstring."""
 
@@ -239,6 +201,26 @@ class DecoderForExport(nn.Module):
             self.register_buffer(f"inv_freq_{name}", inv.to(torch.float32), persistent=False)
         self.scalings = scalings
         self.has_conv = bool(cfg.layers_of("conv"))
+        self.rope_positions = cfg.max_position_embeddings
+
+    def set_rope_positions(self, positions: int) -> None:
+        """Build the rotary tables, graph constants [positions, head_dim/2], before tracing.
+
+        fp32, the flavor's attention scaling folded in, computed from the inv_freq buffer as
+        the reference computes its per-position values. Call after the inv_freq buffers are
+        real (not meta) tensors; without a call, forward sizes them to max_position_embeddings.
+        """
+        self.rope_positions = positions
+        for name in self.rope_flavors:
+            inv = getattr(self, f"inv_freq_{name}").to(torch.float32)
+            freqs = torch.arange(positions, dtype=torch.float32).unsqueeze(-1) * inv
+            self.register_buffer(f"rope_cos_{name}", freqs.cos() * self.scalings[name], persistent=False)
+            self.register_buffer(f"rope_sin_{name}", freqs.sin() * self.scalings[name], persistent=False)
+
+    def rope_tables(self, flavor: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(self, f"rope_cos_{flavor}"):
+            self.set_rope_positions(self.rope_positions)
+        return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
 
     def state_arity(self, i: int) -> int:
         return 2 if self.cfg.layers[i].mixer == "attention" else 1
@@ -250,22 +232,11 @@ class DecoderForExport(nn.Module):
             seq_lens = slot_idx = None
             states = rest
         x = self.model.embed_tokens(input_ids)
-        dtype = x.dtype
-        rope = {}
-        for name in self.rope_flavors:
-            freqs = position_ids.unsqueeze(-1).to(torch.float32) * getattr(self, f"inv_freq_{name}")
-            emb = torch.cat((freqs, freqs), dim=-1)
-            rope[name] = ((emb.cos() * self.scalings[name]).to(dtype).unsqueeze(1),
-                          (emb.sin() * self.scalings[name]).to(dtype).unsqueeze(1))
-
-        attn_layers = self.cfg.layers_of("attention")
-        cache_len = states[self._offset(attn_layers[0])].shape[2] if attn_layers else 0
-        masks = {w: attention_mask(position_ids, cache_len, w)
-                 for w in dict.fromkeys(self.cfg.layers[i].window for i in attn_layers)}
+        rope = {name: self.rope_tables(name) for name in self.rope_flavors}
         new_states = []
         for i, layer in enumerate(self.model.layers):
             off = self._offset(i)
-            x, new = layer(x, rope, masks, states[off: off + self.state_arity(i)], slot_idx, seq_lens)
+            x, new = layer(x, rope, position_ids, states[off: off + self.state_arity(i)], slot_idx, seq_lens)
             new_states += new
 
         index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])

@@ -1,4 +1,10 @@
-"""One onnxruntime session for the decoder graph, bound to a ``KVCache`` by tensor role."""
+"""One onnxruntime session for the decoder graph, bound to a ``StatePool`` by tensor role.
+
+Two KV contracts (manifest state ``update``): ``scatter_rows`` graphs return the new rows
+(``new_key.i``) and this class stores them; ``in_place`` graphs (the onnxruntime target's
+GroupQueryAttention) return ``present_key.i``, which is bound to the same pool buffer as
+``past_key.i`` so the graph writes its rows there itself.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +59,9 @@ class DecoderGraph:
         self.states = [(t.role, t.layer, t.name) for t in spec.inputs if t.layer is not None]
         self.outputs = [t.name for t in spec.outputs]
         self.new = [(t.role, t.layer) for t in spec.outputs]
+        self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
+                        if t.role in ("present_key", "present_value")}
+        self._bound: tuple | None = None  # (key, IOBinding) for in-place graphs; see _binding
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -62,21 +71,24 @@ class DecoderGraph:
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
         """
         n = input_ids.shape[0]
-        keys, values = pool.kv_views(n)
         slot_idx = np.arange(n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
-        feeds = {name: given[role] for role, name in self.names.items()}
-        for role, layer, name in self.states:
-            feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
-        outs = self.session.run(self.outputs, feeds)
+        if self.present:
+            outs = self._run_bound(pool, n, given)
+        else:
+            feeds = {name: given[role] for role, name in self.names.items()}
+            keys, values = pool.kv_views(n)
+            for role, layer, name in self.states:
+                feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
+            outs = self.session.run(self.outputs, feeds)
         starts = position_ids[:, 0]
         new: dict[int, dict[str, np.ndarray]] = {}
         logits = None
         for (role, layer), value in zip(self.new, outs):
             if role == "logits":
                 logits = value
-            else:
+            elif role not in ("present_key", "present_value"):
                 new.setdefault(layer, {})[role] = value
         for layer, rows in new.items():
             if "new_conv_state" in rows:
@@ -84,3 +96,45 @@ class DecoderGraph:
             else:
                 pool.write_kv(layer, rows["new_key"], rows["new_value"], starts, lengths)
         return logits
+
+    def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray]) -> list[np.ndarray | None]:
+        """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
+
+        Returns the outputs in spec order, None for the present_* ones (they are the pool).
+        """
+        binding = self._binding(pool, n)
+        for role, name in self.names.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(given[role]))
+        for role, layer, name in self.states:
+            if role == "conv_state":  # rebound each step: cheap, and never a stale copy
+                binding.bind_cpu_input(name, pool.conv[layer])
+        self.session.run_with_iobinding(binding)
+        return [None if role in ("present_key", "present_value") else value.numpy()
+                for (role, _), value in zip(self.new, binding.get_outputs())]
+
+    def _binding(self, pool: StatePool, n: int):
+        """The IOBinding for batch n over the pool's current buffers, rebuilt when either changes.
+
+        The KV OrtValues wrap the pool's arrays without copying (CPU), so a cached binding stays
+        valid as long as ``reserve`` has not replaced the buffers (tracked by ``pool.generation``).
+        """
+        import onnxruntime as ort
+
+        key = (n, pool.generation)
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[1]
+        binding = self.session.io_binding()
+        keys, values = pool.kv_views(n)
+        kv_values = {}
+        for role, layer, name in self.states:
+            if role in ("past_key", "past_value"):
+                view = keys[layer] if role == "past_key" else values[layer]
+                kv_values[(role, layer)] = ort.OrtValue.ortvalue_from_numpy(view)
+                binding.bind_ortvalue_input(name, kv_values[(role, layer)])
+        for (role, layer), name in zip(self.new, self.outputs):
+            if role in ("present_key", "present_value"):
+                binding.bind_ortvalue_output(name, kv_values[(role.replace("present_", "past_"), layer)])
+            else:
+                binding.bind_output(name, "cpu")
+        self._bound = (key, binding, kv_values)  # the OrtValues must outlive the binding's use
+        return binding

@@ -28,6 +28,7 @@ class StatePool:
         self.slots = 0
         self.capacity = 0
         self.live = 0
+        self.generation = 0  # bumped whenever reserve replaces the buffers (bindings to them go stale)
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
@@ -41,6 +42,7 @@ class StatePool:
         if (slots, capacity) == (self.slots, self.capacity):
             return
         self.slots, self.capacity = slots, capacity
+        self.generation += 1
         self.keys, self.values, self.conv = {}, {}, {}
         for spec in self.specs:
             if spec.kind == "kv":

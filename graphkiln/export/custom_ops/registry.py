@@ -8,7 +8,7 @@ from types import ModuleType
 
 from graphkiln.export.custom_ops.spec import DOMAIN, CustomOpSpec
 
-OP_MODULES = ("moe", "short_conv")
+OP_MODULES = ("attention", "moe", "short_conv")
 
 
 @cache

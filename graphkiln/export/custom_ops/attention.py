@@ -1,0 +1,155 @@
+"""``graphkiln.Attention``: rotary + grouped-query causal attention over a position-indexed cache.
+
+q [B, S, Nq*D], k / v [B, S, Nkv*D] (projections of the new tokens, after any q/k norm),
+past_key / past_value [B, Nkv, C, D] (the cache: row b's token at position p is at
+``[b, :, p]``), position_ids [B, S] (row b's new tokens sit at positions start_b + 0..S-1,
+start_b = tokens already cached), cos_cache / sin_cache [P, D/2] (rotary tables by position,
+any rope scaling folded in, P >= every position used)
+-> out [B, S, Nq*D], new_key / new_value [B, Nkv, S, D] (the new tokens' rotated keys and
+values; the caller stores them at their positions).
+
+Semantics: q and k are rotated "rotate-half" style (x * cos + rotate_half(x) * sin with the
+tables gathered at position_ids and repeated to D); query head h reads KV head
+h // (Nq / Nkv); a new token at position p sees cached keys at positions < start_b and new
+keys at positions <= p, and with ``window`` > 0 only keys at positions > p - window;
+scores are scaled by ``scale`` and the softmax runs in fp32. Padding after a row's real tokens
+(higher positions) is never seen by its real tokens. Only cache positions < start_b are read,
+so the cache beyond them may hold anything.
+
+Why one op: attention with a cache is what every runtime implements its own way — a
+TensorRT plugin or onnxruntime's GroupQueryAttention (``lowering.ort_attention``), which
+also writes the cache in place — so the portable graph carries it whole, with this
+standard-ONNX body for runtimes that have neither.
+"""
+
+from __future__ import annotations
+
+from graphkiln.export.custom_ops.spec import AttrSpec, CustomOpSpec
+
+SPEC = CustomOpSpec(
+    name="Attention",
+    torch_name="attention",
+    inputs=("q", "k", "v", "past_key", "past_value", "position_ids", "cos_cache", "sin_cache"),
+    outputs=("out", "new_key", "new_value"),
+    attributes=(
+        AttrSpec("num_heads", "int", "Nq, query heads"),
+        AttrSpec("num_kv_heads", "int", "Nkv, key/value heads (divides Nq)"),
+        AttrSpec("window", "int", "sliding window in positions; 0 = full causal attention"),
+        AttrSpec("scale", "float", "multiplies q.k (usually D ** -0.5)"),
+    ),
+    output_dtypes_from=("q", "past_key", "past_value"),
+    doc=__doc__,
+)
+
+
+def visible_keys(position_ids, cache_len: int, window: int):
+    """Boolean [B, 1, 1, S, C + S]: may new token (b, s) see key j (cache then new tokens)?"""
+    import torch
+
+    start = position_ids[:, :1]
+    cache_pos = torch.arange(cache_len, device=position_ids.device).unsqueeze(0).expand(position_ids.shape[0], -1)
+    key_pos = torch.cat((cache_pos, position_ids), dim=1)
+    key_ok = torch.cat((cache_pos < start, position_ids >= start), dim=1)
+    q_pos, k_pos = position_ids.unsqueeze(2), key_pos.unsqueeze(1)
+    visible = (k_pos <= q_pos) & key_ok.unsqueeze(1)
+    if window > 0:
+        visible = visible & (k_pos > q_pos - window)
+    return visible[:, None, None]
+
+
+def _rotate(x, cos, sin):
+    import torch
+
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale):
+    import torch
+
+    b, s, _ = q.shape
+    d = past_key.shape[-1]
+    cos = cos_cache[position_ids].repeat(1, 1, 2).unsqueeze(1).to(q.dtype)  # [B, 1, S, D]
+    sin = sin_cache[position_ids].repeat(1, 1, 2).unsqueeze(1).to(q.dtype)
+    q4 = _rotate(q.view(b, s, num_heads, d).transpose(1, 2), cos, sin)
+    k4 = _rotate(k.view(b, s, num_kv_heads, d).transpose(1, 2), cos, sin)
+    v4 = v.view(b, s, num_kv_heads, d).transpose(1, 2)
+    keys = torch.cat((past_key.to(q.dtype), k4), dim=2)
+    values = torch.cat((past_value.to(q.dtype), v4), dim=2)
+    # Fold each KV group's query heads into the sequence axis: one matmul per group, no
+    # per-head copy of the cache.
+    rep = num_heads // num_kv_heads
+    scores = torch.matmul(q4.reshape(b, num_kv_heads, rep * s, d), keys.transpose(2, 3)) * scale
+    scores = scores.float().view(b, num_kv_heads, rep, s, -1)
+    scores = scores.masked_fill(~visible_keys(position_ids, past_key.shape[2], window), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, num_kv_heads, rep * s, -1)
+    out = torch.matmul(probs, values).view(b, num_heads, s, d).transpose(1, 2).reshape(b, s, num_heads * d)
+    return out, k4.to(past_key.dtype).contiguous(), v4.to(past_value.dtype).contiguous()
+
+
+def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale):
+    b, s, _ = q.shape
+    shape = (b, num_kv_heads, s, past_key.shape[-1])
+    return q.new_empty(q.shape), past_key.new_empty(shape), past_value.new_empty(shape)
+
+
+def onnx_function(opset: int):
+    import onnxscript
+    from onnx import TensorProto
+    from onnxscript.values import Opset
+
+    op = Opset("", opset)
+    gk = Opset(SPEC.domain, SPEC.version)
+
+    @onnxscript.script(gk, default_opset=op)
+    def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads: int,
+                  num_kv_heads: int, window: int, scale: float, plugin_namespace: str, plugin_version: str):
+        one = op.Constant(value_ints=[1])
+        minus1 = op.Constant(value_ints=[-1])
+        nq = op.Reshape(op.Constant(value_int=num_heads), one)
+        nkv = op.Reshape(op.Constant(value_int=num_kv_heads), one)
+        bs = op.Shape(q, start=0, end=2)
+        q4 = op.Transpose(op.Reshape(q, op.Concat(bs, nq, minus1, axis=0)), perm=[0, 2, 1, 3])  # [B, Nq, S, D]
+        k4 = op.Transpose(op.Reshape(k, op.Concat(bs, nkv, minus1, axis=0)), perm=[0, 2, 1, 3])  # [B, Nkv, S, D]
+        v4 = op.Transpose(op.Reshape(v, op.Concat(bs, nkv, minus1, axis=0)), perm=[0, 2, 1, 3])
+        half_cos = op.Gather(cos_cache, position_ids, axis=0)  # [B, S, D/2]
+        half_sin = op.Gather(sin_cache, position_ids, axis=0)
+        cos = op.CastLike(op.Unsqueeze(op.Concat(half_cos, half_cos, axis=-1), one), q)  # [B, 1, S, D]
+        sin = op.CastLike(op.Unsqueeze(op.Concat(half_sin, half_sin, axis=-1), one), q)
+        q1, q2 = op.Split(q4, axis=-1, num_outputs=2)
+        qr = op.Add(op.Mul(q4, cos), op.Mul(op.Concat(op.Neg(q2), q1, axis=-1), sin))
+        k1, k2 = op.Split(k4, axis=-1, num_outputs=2)
+        kr = op.Add(op.Mul(k4, cos), op.Mul(op.Concat(op.Neg(k2), k1, axis=-1), sin))
+        keys = op.Concat(op.CastLike(past_key, q), kr, axis=2)  # [B, Nkv, C+S, D]
+        values = op.Concat(op.CastLike(past_value, q), v4, axis=2)
+
+        rep = op.Div(nq, nkv)
+        qshape = op.Shape(qr)  # [B, Nq, S, D]
+        folded = op.Reshape(qr, op.Concat(op.Shape(qr, start=0, end=1), nkv, minus1, op.Shape(qr, start=3, end=4), axis=0))
+        scores = op.MatMul(folded, op.Transpose(keys, perm=[0, 1, 3, 2]))  # [B, Nkv, rep*S, C+S]
+        scores = op.Mul(op.Cast(scores, to=TensorProto.FLOAT), op.Constant(value_float=scale))
+        scores5 = op.Reshape(scores, op.Concat(op.Shape(qr, start=0, end=1), nkv, rep, op.Shape(qr, start=2, end=3),
+                                               minus1, axis=0))
+
+        # Which keys each new token sees (see visible_keys).
+        cache_len = op.Shape(past_key, start=2, end=3)
+        cache_pos = op.Range(op.Constant(value_int=0), op.Squeeze(cache_len), op.Constant(value_int=1))
+        cache_pos = op.Expand(op.Unsqueeze(cache_pos, op.Constant(value_ints=[0])),
+                              op.Concat(op.Shape(position_ids, start=0, end=1), cache_len, axis=0))  # [B, C]
+        start = op.Slice(position_ids, op.Constant(value_ints=[0]), one, one)  # [B, 1]
+        key_pos = op.Concat(cache_pos, position_ids, axis=1)  # [B, C+S]
+        key_ok = op.Concat(op.Less(cache_pos, start), op.GreaterOrEqual(position_ids, start), axis=1)
+        q_pos = op.Unsqueeze(position_ids, op.Constant(value_ints=[2]))  # [B, S, 1]
+        k_pos = op.Unsqueeze(key_pos, one)  # [B, 1, C+S]
+        visible = op.And(op.LessOrEqual(k_pos, q_pos), op.Unsqueeze(key_ok, one))
+        w = op.Constant(value_int=window)
+        in_window = op.Or(op.Equal(w, op.Constant(value_int=0)), op.Greater(k_pos, op.Sub(q_pos, w)))
+        visible = op.Unsqueeze(op.And(visible, in_window), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, S, C+S]
+
+        masked = op.Where(visible, scores5, op.Constant(value_float=float("-inf")))
+        probs = op.Reshape(op.CastLike(op.Softmax(masked, axis=-1), q), op.Shape(scores))
+        out = op.Reshape(op.MatMul(probs, values), qshape)  # [B, Nq, S, D]
+        out = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Shape(q))
+        return out, op.CastLike(kr, past_key), op.CastLike(v4, past_value)
+
+    return Attention.to_function_proto()

@@ -1,0 +1,146 @@
+"""Lower ``graphkiln.Attention`` to onnxruntime's ``com.microsoft.GroupQueryAttention``.
+
+GroupQueryAttention (GQA) does what the portable op's reference function does — rotary from
+cos/sin tables, grouped heads, causal and sliding-window masks — in one fused CPU kernel, and
+it can write the new keys and values straight into the cache: when ``present_key`` is bound to
+the same buffer as ``past_key`` (onnxruntime's "past/present share buffer" mode) the node
+stores its new rows at their positions and returns the whole buffer, with no copy.
+
+The lowered graph's contract differs from the portable one (``graphkiln.models.decoder``)
+only in the KV cache:
+  * inputs gain ``seq_lens`` int64 [batch] (real tokens per row) if the graph lacks it: GQA
+    takes each row's total length (``seqlens_k`` = start + seq_lens - 1, int32) and the batch's
+    ``total_sequence_length`` (max of start + seq_lens, an int32 scalar), computed in-graph;
+  * ``new_key.i`` / ``new_value.i`` outputs become ``present_key.i`` / ``present_value.i``
+    [batch, kv_heads, cache_len, head_dim], which the runtime binds to the very buffers it
+    feeds as ``past_key.i`` / ``past_value.i`` (manifest state update ``"in_place"``).
+
+GQA's limits, which the runtime respects: a step with several new tokens per row (prefill)
+starts from an empty cache for every row (start = 0) unless the batch has one row; decode
+steps (one token per row) may mix rows of any lengths. Types: float32 and float16; head_dim
+a multiple of 16 (a node outside these keeps its portable form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+from onnx import TensorProto, helper
+
+from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.manifest import GraphSpec, TensorSpec
+
+MS_DOMAIN = "com.microsoft"
+_GQA_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) -> tuple[GraphSpec, int]:
+    """Rewrite every lowerable ``graphkiln.Attention`` node of ``model.graph`` in place.
+
+    Returns the graph's new spec (inputs/outputs changed as the module docstring says) and the
+    number of nodes rewritten; with none rewritten the model and spec are unchanged.
+    """
+    g = model.graph
+    types = _elem_types(g)
+    specs = {t.name: t for t in graph.outputs}
+    head_dims = {t.name: t.shape[3] for t in graph.inputs if t.role in ("past_key", "past_value")}
+    targets = [n for n in g.node if n.domain == DOMAIN and n.op_type == "Attention"
+               and types.get(n.input[3]) in _GQA_TYPES and all(o in specs for o in n.output[1:])
+               and isinstance(head_dims.get(n.input[3]), int) and head_dims[n.input[3]] % 16 == 0]
+    if not targets:
+        return graph, 0
+
+    inputs = list(graph.inputs)
+    seq_lens = next((t.name for t in inputs if t.role == "seq_lens"), None)
+    if seq_lens is None:
+        seq_lens = "seq_lens"
+        inputs.append(TensorSpec(seq_lens, "int64", ("batch",), "seq_lens"))
+        g.input.append(helper.make_tensor_value_info(seq_lens, TensorProto.INT64, ["batch"]))
+
+    prologue: list[onnx.NodeProto] = []
+    lengths: dict[str, tuple[str, str]] = {}  # position_ids value -> (seqlens_k, total_sequence_length)
+    casts: dict[tuple[str, int], str] = {}  # (table, type) -> the table in the query's type
+    renamed: dict[str, TensorSpec] = {}  # old output name -> new output spec
+    new_nodes: list[onnx.NodeProto] = []
+    lowered = {id(n) for n in targets}
+    for node in g.node:
+        if id(node) not in lowered:
+            new_nodes.append(node)
+            continue
+        q, k, v, past_k, past_v, pos, cos, sin = node.input
+        if pos not in lengths:
+            lengths[pos] = _lengths(prologue, pos, seq_lens, len(lengths))
+        seqlens_k, total = lengths[pos]
+        elem = types[past_k]
+        tables = []
+        for table in (cos, sin):
+            if types.get(table, TensorProto.FLOAT) != elem:
+                key = (table, elem)
+                if key not in casts:
+                    casts[key] = f"{table}.as_{TensorProto.DataType.Name(elem).lower()}"
+                    prologue.append(helper.make_node("Cast", [table], [casts[key]], to=elem, name=casts[key]))
+                table = casts[key]
+            tables.append(table)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        outs = [node.output[0]]
+        for old, role in zip(node.output[1:], ("present_key", "present_value")):
+            spec = specs[old]
+            new = TensorSpec(f"{role}.{spec.layer}", spec.dtype, ("batch", spec.shape[1], "cache_len", spec.shape[3]),
+                             role, spec.layer)
+            renamed[old] = new
+            outs.append(new.name)
+        new_nodes.append(helper.make_node(
+            "GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total, *tables], outs,
+            name=f"{node.name or outs[0]}.gqa", domain=MS_DOMAIN,
+            num_heads=attrs["num_heads"], kv_num_heads=attrs["num_kv_heads"], scale=float(attrs["scale"]),
+            local_window_size=attrs["window"] if attrs["window"] > 0 else -1,
+            do_rotary=1, rotary_interleaved=0))
+
+    del g.node[:]
+    g.node.extend(prologue + new_nodes)
+    for out in g.output:
+        if out.name in renamed:
+            new = renamed[out.name]
+            elem = out.type.tensor_type.elem_type  # a present buffer has its new rows' type
+            out.CopyFrom(helper.make_tensor_value_info(new.name, elem, list(new.shape)))
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    _drop_unused_function(model, "Attention")
+    outputs = tuple(renamed.get(t.name, t) for t in graph.outputs)
+    return dataclasses.replace(graph, inputs=tuple(inputs), outputs=outputs), len(targets)
+
+
+def _lengths(prologue: list, pos: str, seq_lens: str, i: int) -> tuple[str, str]:
+    """Append nodes computing GQA's seqlens_k [B] and total_sequence_length [] from position_ids."""
+    p = f"gqa_lengths.{i}"
+    prologue += [
+        helper.make_node("Constant", [], [f"{p}.zero"], value=helper.make_tensor("", TensorProto.INT64, [1], [0])),
+        helper.make_node("Constant", [], [f"{p}.one"], value=helper.make_tensor("", TensorProto.INT64, [1], [1])),
+        helper.make_node("Slice", [pos, f"{p}.zero", f"{p}.one", f"{p}.one"], [f"{p}.start2d"]),
+        helper.make_node("Squeeze", [f"{p}.start2d", f"{p}.one"], [f"{p}.start"]),
+        helper.make_node("Add", [f"{p}.start", seq_lens], [f"{p}.total"]),
+        helper.make_node("Sub", [f"{p}.total", f"{p}.one"], [f"{p}.last"]),
+        helper.make_node("Cast", [f"{p}.last"], [f"{p}.seqlens_k"], to=TensorProto.INT32),
+        helper.make_node("ReduceMax", [f"{p}.total"], [f"{p}.max"], keepdims=0),
+        helper.make_node("Cast", [f"{p}.max"], [f"{p}.total_sequence_length"], to=TensorProto.INT32),
+    ]
+    return f"{p}.seqlens_k", f"{p}.total_sequence_length"
+
+
+def _elem_types(g: onnx.GraphProto) -> dict[str, int]:
+    types = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.value_info) + list(g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    return types
+
+
+def _drop_unused_function(model: onnx.ModelProto, name: str) -> None:
+    if any(n.domain == DOMAIN and n.op_type == name for n in model.graph.node):
+        return
+    keep = [f for f in model.functions if not (f.domain == DOMAIN and f.name == name)]
+    del model.functions[:]
+    model.functions.extend(keep)
+    if not any(n.domain == DOMAIN for n in model.graph.node):
+        keep_ops = [o for o in model.opset_import if o.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep_ops)
