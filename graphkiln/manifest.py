@@ -11,8 +11,10 @@ KV cache (kind ``"kv"``) the graph reads ``past_key.{layer}``/``past_value.{laye
 runtime stores those rows at cache position == token position (``update: "scatter_rows"``).
 Because the graph never returns a whole new cache, the runtime can keep one buffer at a
 fixed address for a session's life, which is what in-place plugins, slot pools and
-CUDA-graph replay need; an engine that writes the rows itself would declare a different
-``update`` without changing anything else here.
+CUDA-graph replay need. A graph that writes the rows itself (the onnxruntime target's
+GroupQueryAttention) declares ``update: "in_place"``: it returns ``present_key.{layer}`` /
+``present_value.{layer}`` ``[batch, kv_heads, cache_len, head_dim]``, which the runtime binds
+to the same buffer it feeds as ``past_key``/``past_value``, and takes ``seq_lens``.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return f"{self.spec.name}[{self.manifest.graphs[0].target}]"
 
     @cached_property
     def engine(self):
@@ -296,30 +296,36 @@ def pytest_runtest_makereport(item, call):
     report.sections = sections
 
 
+TARGETS = ("portable", "onnxruntime")
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """Factory: ``tiny(name)`` -> Case, building and exporting that checkpoint once per session."""
+    """Factory: ``tiny(name, target="portable")`` -> Case, building each checkpoint once and
+    exporting it once per target per session."""
     from graphkiln.export.pipeline import ExportOptions, export_model
 
     root = tmp_path_factory.mktemp("tiny")
-    built: dict[str, Case] = {}
+    built: dict[tuple[str, str], Case] = {}
 
-    def get(name: str) -> Case:
-        if name not in built:
+    def get(name: str, target: str = "portable") -> Case:
+        if (name, target) not in built:
             spec = SPECS[name]
-            ckpt = build_checkpoint(spec, root / name / "checkpoint")
-            art = root / name / "artifact"
-            manifest = export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN))
-            built[name] = Case(spec, ckpt, art, manifest)
-        return built[name]
+            ckpt = root / name / "checkpoint"
+            if not ckpt.exists():
+                build_checkpoint(spec, ckpt)
+            art = root / name / f"artifact-{target}"
+            manifest = export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, target=target))
+            built[name, target] = Case(spec, ckpt, art, manifest)
+        return built[name, target]
 
     return get
 
 
-@pytest.fixture(scope="session", params=PARITY_CASES)
+@pytest.fixture(scope="session", params=[(n, t) for t in TARGETS for n in PARITY_CASES], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, tiny) -> Case:
-    """Every parity checkpoint, one at a time."""
-    return tiny(request.param)
+    """Every parity checkpoint, exported for each target (portable graph; onnxruntime lowering)."""
+    return tiny(*request.param)
 
 
 @pytest.fixture(scope="session")

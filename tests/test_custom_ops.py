@@ -38,6 +38,8 @@ FACES = ("torch", "onnx")
 H, E, I, TOP_K = 32, 8, 16, 2
 # ShortConv sizes: channels, kernel, slots in the state pool
 C, K, SLOTS = 16, 3, 4
+# Attention sizes: query heads, kv heads, head dim, rotary table positions
+NQ, NKV, D, POSITIONS = 4, 2, 16, 64
 
 MOE_ATTRS = ("top_k", "scoring", "normalize", "norm_eps", "routed_scaling")
 
@@ -144,6 +146,63 @@ def short_conv_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtyp
             _randn(gen, C, dtype=dtype), _randn(gen, SLOTS, C, K - 1, dtype=dtype), slot_idx, seq_lens)
 
 
+def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dtype=torch.float32):
+    """Rows with different numbers of cached tokens (start_b in 0..cache; row 0 has none); the
+    cache beyond each row's start holds garbage that must not be read."""
+    starts = torch.randint(0, cache + 1, (batch,), generator=gen)
+    starts[0] = 0
+    position_ids = starts.unsqueeze(1) + torch.arange(seq)
+    inv = 1.0 / (100.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = torch.arange(POSITIONS, dtype=torch.float32).unsqueeze(1) * inv
+    scaling = 1.3  # a rope attention scaling folded into the tables (yarn-style)
+    return (_randn(gen, batch, seq, NQ * D, dtype=dtype), _randn(gen, batch, seq, NKV * D, dtype=dtype),
+            _randn(gen, batch, seq, NKV * D, dtype=dtype), _randn(gen, batch, NKV, cache, D, dtype=dtype),
+            _randn(gen, batch, NKV, cache, D, dtype=dtype), position_ids,
+            freqs.cos() * scaling, freqs.sin() * scaling)
+
+
+def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, window: int, scale: float):
+    """The op's documented semantics, one row, head and token at a time, in float64 numpy."""
+    q, k, v, pk, pv, pos, cos_t, sin_t = (_np(x).astype(np.float64) if i != 5 else _np(x)
+                                          for i, x in enumerate((q, k, v, past_key, past_value, position_ids,
+                                                                 cos_cache, sin_cache)))
+    b, s, _ = q.shape
+    nkv, d = pk.shape[1], pk.shape[3]
+    nq = q.shape[2] // d
+    out = np.zeros_like(q)
+    new_k = np.zeros((b, nkv, s, d))
+    new_v = np.zeros((b, nkv, s, d))
+
+    def rot(x, p):
+        c, sn = np.concatenate([cos_t[p]] * 2), np.concatenate([sin_t[p]] * 2)
+        return x * c + np.concatenate([-x[d // 2:], x[: d // 2]]) * sn
+
+    for r in range(b):
+        start = pos[r, 0]
+        for t in range(s):
+            for j in range(nkv):
+                new_k[r, j, t] = rot(k[r, t, j * d:(j + 1) * d], pos[r, t])
+                new_v[r, j, t] = v[r, t, j * d:(j + 1) * d]
+        for t in range(s):
+            p = pos[r, t]
+            for h in range(nq):
+                j = h // (nq // nkv)
+                qh = rot(q[r, t, h * d:(h + 1) * d], p)
+                keys = [(pk[r, j, c], pv[r, j, c], c) for c in range(start)]
+                keys += [(new_k[r, j, u], new_v[r, j, u], pos[r, u]) for u in range(s)]
+                keys = [(kk, vv) for kk, vv, kp in keys if kp <= p and (window == 0 or kp > p - window)]
+                sc = np.array([qh @ kk for kk, _ in keys]) * scale
+                w = np.exp(sc - sc.max())
+                w /= w.sum()
+                out[r, t, h * d:(h + 1) * d] = sum(wi * vv for wi, (_, vv) in zip(w, keys))
+    return out, new_k, new_v
+
+
+def _attention_dyn():
+    b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
+    return ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}, {0: b, 2: c}, {0: b, 2: c}, {0: b, 1: s}, None, None)
+
+
 def _moe_dyn():
     t = torch.export.Dim("T")
     return ({0: t}, {0: t}, None, None, None)
@@ -163,6 +222,9 @@ class OpCase:
 
 
 OP_CASES: dict[str, OpCase] = {
+    # sizes: (batch, new tokens, cache length); a window shorter than the sequences
+    "Attention": OpCase(attrs=(NQ, NKV, 5, D ** -0.5), make_inputs=lambda g, sz: attention_inputs(g, *sz),
+                        sizes=((3, 4, 6), (2, 1, 9), (1, 7, 2), (4, 3, 3)), dynamic_shapes=_attention_dyn),
     # sigmoid scoring with expert bias, normalize with eps, routed scaling: every routing knob on
     "MoE": OpCase(attrs=(TOP_K, 1, 1, 1e-6, 1.5), make_inputs=lambda g, n: moe_inputs(g, n),
                   sizes=(5, 1, 17), dynamic_shapes=_moe_dyn),
@@ -735,3 +797,41 @@ def test_short_conv_fp16_onnxruntime(exported, pool_dtype):
     want_y, want_state = R.torch_op("ShortConv")(*(t.float() if t.is_floating_point() else t for t in inputs), C)
     assert_close(y, want_y, rel=1e-2, what="fp16 y")
     assert_close(state, want_state, rel=1e-2, what="fp16 new_state")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: documented semantics (rotary, grouped heads, cache validity by position, windows)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("size", [(3, 4, 6), (2, 1, 9), (2, 6, 0)], ids=["prefill_after_cache", "decode", "first_prompt"])
+def test_attention_matches_documented_semantics(exported, face, window, size):
+    attrs = (NQ, NKV, window, 0.3)
+    inputs = attention_inputs(_gen(40 + size[0]), *size)
+    want = naive_attention(*inputs, window=window, scale=0.3)
+    if face == "torch":
+        got = R.torch_op("Attention")(*inputs, *attrs)
+    else:
+        ex = exported(("attention", window), lambda: (OpModule("Attention", attrs), attention_inputs(_gen(0), 3, 4, 6),
+                                                      _attention_dyn()))
+        got = ex.run(*inputs)
+    for name, g, w in zip(("out", "new_key", "new_value"), got, want):
+        assert_close(g, w, what=f"{face} {name} window={window} size={size}")
+
+
+def test_attention_ignores_cache_rows_at_or_after_a_rows_start():
+    """Positions >= start_b in the cache are not part of row b's history (garbage there is free)."""
+    op = R.torch_op("Attention")
+    inputs = list(attention_inputs(_gen(5), 3, 2, 8))
+    base = op(*inputs, NQ, NKV, 0, 0.25)
+    starts = inputs[5][:, 0]
+    for part in (3, 4):
+        for r, st in enumerate(starts.tolist()):
+            inputs[part][r, :, st:] = 1e4
+    changed = op(*inputs, NQ, NKV, 0, 0.25)
+    for a, b in zip(base, changed):
+        assert torch.equal(a, b)
+    inputs[3][1, :, : int(starts[1])] += 1.0  # and the rows before the start are read
+    if int(starts[1]) > 0:
+        assert not torch.equal(op(*inputs, NQ, NKV, 0, 0.25)[0][1], base[0][1])

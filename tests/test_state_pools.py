@@ -21,11 +21,13 @@ def _greedy(n: int, **kw) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=n, do_sample=False, stop_token_ids=(), **kw)
 
 
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_slots_are_all_free_after_errors_and_cancellations(tiny, name):
+def test_slots_are_all_free_after_errors_and_cancellations(tiny, name, target):
     """Finishing, failing and cancelled requests all give their slots back, and a request that
-    reuses a slot after any of them sees fresh (zeroed) state."""
-    case = tiny(name)
+    reuses a slot after any of them sees fresh (zeroed) state (KV rows written by the runtime,
+    and, for the onnxruntime target, in place by the graph)."""
+    case = tiny(name, target)
     engine = Engine.load(case.artifact)  # private engine: its pool is this test's alone
     prompts = case.prompts((5, 9, 3, 12), salt=31)
     expected = [greedy(case.reference, p, 12)[0] for p in prompts]
@@ -58,11 +60,12 @@ def test_slots_are_all_free_after_errors_and_cancellations(tiny, name):
     assert [r.token_ids for r in results] == expected
 
 
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_requests_finishing_early_leave_the_others_exact(tiny, name):
+def test_requests_finishing_early_leave_the_others_exact(tiny, name, target):
     """Survivors' KV and conv rows are moved when earlier slots free up; their tokens and
     logits must not notice."""
-    case = tiny(name)
+    case = tiny(name, target)
     prompts = case.prompts((4, 11, 6, 2), salt=32)
     ref = [greedy(case.reference, p, 16) for p in prompts]
     # requests 0 and 2 stop early on tokens that no other request generates, so slots 0 and 2

@@ -19,6 +19,11 @@ Graph contract (one graph serves prefill and decode):
   -> logits     float32 [batch, n_logits, vocab]
   -> per layer: new_key.i / new_value.i [batch, kv_heads, seq, head_dim]  (rows for position_ids)
                 new_conv_state.i [batch, channels, kernel-1]               (rows for slot_idx)
+
+Attention runs through the ``graphkiln.Attention`` custom op (rotary from per-position
+cos/sin tables sized by ``set_rope_positions``, grouped heads, windows), so targets can
+swap in their own kernel (``export.lowering.ort_attention``: onnxruntime's
+GroupQueryAttention, which changes the KV contract to in-place; see ``graphkiln.manifest``).
 """
 
 from __future__ import annotations

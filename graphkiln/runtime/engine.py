@@ -18,6 +18,7 @@ from graphkiln.runtime.state import StatePool
 from graphkiln.runtime.tokenizer import Tokenizer, stable_text
 
 KNOWN_STATE_KINDS = {"kv", "conv"}
+KNOWN_STATE_UPDATES = {"scatter_rows", "in_place", "slot_rows"}  # see graphkiln.manifest
 Prompt = str | Sequence[int]
 
 
@@ -50,6 +51,10 @@ class Engine:
         unknown = {s.kind for s in manifest.states} - KNOWN_STATE_KINDS
         if unknown:
             raise GraphkilnError(f"artifact needs state kind(s) {sorted(unknown)} this runtime does not support: upgrade graphkiln")
+        unknown = {s.update for s in manifest.states} - KNOWN_STATE_UPDATES
+        if unknown:
+            raise GraphkilnError(f"artifact needs state update(s) {sorted(unknown)} this runtime does not support: "
+                                 "upgrade graphkiln")
         known_ops = _known_custom_ops()
         for op in manifest.custom_ops:
             if (op.domain, op.name, op.version) not in known_ops:

@@ -1,0 +1,96 @@
+"""The onnxruntime export target's graph rewrites, checked on the exported tiny models.
+
+Parity of these artifacts with transformers is in test_parity.py (every case runs for both
+targets); here: the portable graph stays free of onnxruntime-only ops, the lowered graph has
+the fused kernels it should (GroupQueryAttention with the KV cache in place, fused sibling
+MatMuls, SkipSimplifiedLayerNormalization), the manifest describes the changed KV contract,
+and the runtime really writes the cache in place.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import PARITY_CASES
+from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.runtime import Engine, GenerationConfig
+
+MS = "com.microsoft"
+
+
+def _ops(case) -> Counter:
+    model = onnx.load(str(case.artifact / case.manifest.graphs[0].file), load_external_data=False)
+    return Counter((n.domain or "", n.op_type) for n in model.graph.node)
+
+
+def _head_dim(case) -> int:
+    return case.manifest.states[0].head_dim
+
+
+@pytest.mark.parametrize("name", PARITY_CASES)
+def test_portable_graph_has_no_onnxruntime_ops(tiny, name):
+    case = tiny(name, "portable")
+    ops = _ops(case)
+    assert not any(d == MS for d, _ in ops), sorted(ops)
+    assert case.manifest.graphs[0].target == "portable"
+    attention = [i for i, l in enumerate(case.manifest.states) if l.kind == "kv"]
+    assert ops[(DOMAIN, "Attention")] == sum(len(case.manifest.states[i].layers) for i in attention)
+    assert all(s.update in ("scatter_rows", "slot_rows") for s in case.manifest.states)
+
+
+@pytest.mark.parametrize("name", PARITY_CASES)
+def test_onnxruntime_graph_uses_fused_kernels(tiny, name):
+    case = tiny(name, "onnxruntime")
+    ops = _ops(case)
+    m = case.manifest
+    kv_layers = sorted(l for s in m.states if s.kind == "kv" for l in s.layers)
+    names = {t.name for t in m.graphs[0].outputs}
+    roles = {t.role for t in m.graphs[0].inputs}
+    assert m.graphs[0].target == "onnxruntime"
+    if _head_dim(case) % 16 == 0:  # GroupQueryAttention's requirement
+        assert ops[(MS, "GroupQueryAttention")] == len(kv_layers)
+        assert ops[(DOMAIN, "Attention")] == 0
+        assert "Attention" not in {o.name for o in m.custom_ops}
+        assert all(s.update == "in_place" for s in m.states if s.kind == "kv")
+        assert {f"present_key.{i}" for i in kv_layers} <= names and not any(n.startswith("new_key") for n in names)
+        assert "seq_lens" in roles
+    else:  # left in its portable form, with the portable KV contract
+        assert ops[(MS, "GroupQueryAttention")] == 0
+        assert ops[(DOMAIN, "Attention")] == len(kv_layers)
+        assert all(s.update == "scatter_rows" for s in m.states if s.kind == "kv")
+    layers = m.model.num_layers
+    # one residual Add + RMSNorm pair per norm except the first layer's input norm
+    assert ops[(MS, "SkipSimplifiedLayerNormalization")] == 2 * layers - 1
+    # q/k/v of every attention layer and gate/up of every dense MLP are one MatMul each
+    assert ops[("", "MatMul")] < _ops(tiny(name, "portable"))[("", "MatMul")]
+
+
+def test_fused_matmul_counts_for_a_dense_model(tiny):
+    """llama_gqa_bias (2 layers, biases everywhere): per layer qkv, o, gate_up, down + lm_head."""
+    case = tiny("llama_gqa_bias", "onnxruntime")
+    ops = _ops(case)
+    assert ops[("", "MatMul")] == 4 * 2 + 1
+    assert ops[("", "Split")] == 2  # gate/up; q/k/v go packed into GroupQueryAttention
+
+
+def test_kv_cache_is_written_in_place_by_the_graph(tiny):
+    """After a request, the pool holds the same keys/values whichever contract wrote them."""
+    portable, lowered = tiny("qwen3_mixed_sliding", "portable"), tiny("qwen3_mixed_sliding", "onnxruntime")
+    prompts = portable.prompts((7, 3), salt=61)
+    engines = [Engine.load(c.artifact) for c in (portable, lowered)]
+    results = [e.generate(prompts, GenerationConfig(max_new_tokens=5, do_sample=False, stop_token_ids=()))
+               for e in engines]
+    assert [r.token_ids for r in results[0]] == [r.token_ids for r in results[1]]
+    # both requests ran to the end; the last token's row is never written (it was not fed back)
+    for layer in engines[0].pool.keys:
+        for b, p in enumerate(prompts):
+            n = len(p) + 5 - 1
+            for pool_a, pool_b in ((engines[0].pool.keys, engines[1].pool.keys),
+                                   (engines[0].pool.values, engines[1].pool.values)):
+                a, b_ = pool_a[layer][b, :, :n], pool_b[layer][b, :, :n]
+                assert np.abs(a).max() > 0
+                np.testing.assert_allclose(b_, a, atol=1e-5)
