@@ -8,9 +8,12 @@ One run, one random-init checkpoint per model, the same thread count for every r
   qwen3   Qwen3ForCausalLM (dense), same shape, head_dim 64, q/k norm, untied (~246M)
 
 Rows (each a peer run as it ships, with its own defaults):
-  graphkiln fp32           graphkiln export (--max-seq-len 1024) + graphkiln.runtime.Engine
-  graphkiln int4           same with --quant int4 (implies --target onnxruntime); skipped, with the
-                           reason printed, when `graphkiln export --help` has no --quant
+  graphkiln fp32           graphkiln export --target onnxruntime (--max-seq-len 1024) +
+                           graphkiln.runtime.Engine: the CPU artifact, as the builder's `-e cpu`
+  graphkiln int4           same with --quant int4; skipped, with the reason printed, when
+                           `graphkiln export --help` has no --quant
+  graphkiln fp32 portable  graphkiln export --target portable (the TensorRT-parseable graph, custom
+                           ops run through their ONNX function bodies) on the same runtime
   onnxruntime-genai fp32   python -m onnxruntime_genai.models.builder -i CKPT -p fp32 -e cpu,
   onnxruntime-genai int4   then og.Model / og.Generator (its default int4: RTN, block 32,
                            accuracy_level 4 on CPU; prefill computes logits for every position)
@@ -101,6 +104,7 @@ ROWS = [
     # name, runner (which generation loop), venv (None: this interpreter), precision
     ("graphkiln fp32", "graphkiln", None, "fp32"),
     ("graphkiln int4", "graphkiln", None, "int4"),
+    ("graphkiln fp32 portable", "graphkiln", None, "fp32-portable"),
     ("onnxruntime-genai fp32", "ortgenai", "ortgenai", "fp32"),
     ("onnxruntime-genai int4", "ortgenai", "ortgenai", "int4"),
     ("optimum-onnx fp32", "optimum", "optimum", "fp32"),
@@ -519,8 +523,11 @@ def export_row(name: str, runner: str, precision: str, py: Path | None, ckpt: Pa
     if runner == "graphkiln":
         cmd = [sys.executable, "-m", "graphkiln.cli", "export", str(ckpt), "-o", str(out),
                "--max-seq-len", str(MAX_SEQ_LEN), "--overwrite"]
+        # the CPU artifacts, as onnxruntime-genai's `-e cpu`: --target onnxruntime (GroupQueryAttention
+        # with the cache in place, fused MatMuls); the portable row shows what that lowering buys
+        cmd += ["--target", "portable" if precision == "fp32-portable" else "onnxruntime"]
         if precision == "int4":
-            cmd += ["--quant", "int4", "--target", "onnxruntime"]
+            cmd += ["--quant", "int4"]
     elif runner == "ortgenai":
         cache = work / f"{out.name}.cache"
         cmd = [str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(tmp),

@@ -68,7 +68,7 @@ def run_demo(workdir: Path | None = None, keep: bool = False) -> int:
         t_build = time.perf_counter() - t
 
         t = time.perf_counter()
-        manifest = export_model(str(ckpt), art, ExportOptions(max_seq_len=512, overwrite=True))
+        manifest = export_model(str(ckpt), art, ExportOptions(max_seq_len=512, target="onnxruntime", overwrite=True))
         t_export = time.perf_counter() - t
 
         t = time.perf_counter()

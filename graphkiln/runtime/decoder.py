@@ -61,7 +61,8 @@ class DecoderGraph:
         self.new = [(t.role, t.layer) for t in spec.outputs]
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
                         if t.role in ("present_key", "present_value")}
-        self._bound: tuple | None = None  # (key, IOBinding) for in-place graphs; see _binding
+        self._bound: tuple | None = None  # (key, IOBinding, KV OrtValues) for in-place graphs; see _binding
+        self._buffers: dict[str, np.ndarray] = {}  # reused output buffers of in-place graphs, by output name
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -75,7 +76,7 @@ class DecoderGraph:
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
         if self.present:
-            outs = self._run_bound(pool, n, given)
+            outs = self._run_bound(pool, n, given, {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
         else:
             feeds = {name: given[role] for role, name in self.names.items()}
             keys, values = pool.kv_views(n)
@@ -97,10 +98,12 @@ class DecoderGraph:
                 pool.write_kv(layer, rows["new_key"], rows["new_value"], starts, lengths)
         return logits
 
-    def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray]) -> list[np.ndarray | None]:
+    def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray], dims: dict[str, int]) -> list:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
 
-        Returns the outputs in spec order, None for the present_* ones (they are the pool).
+        The other outputs go into buffers reused from step to step (binding them costs less
+        than wrapping every output ORT allocates); returns them in spec order (the logits as
+        a copy, since its buffer is reused) and None for the present_* ones (they are the pool).
         """
         binding = self._binding(pool, n)
         for role, name in self.names.items():
@@ -108,9 +111,19 @@ class DecoderGraph:
         for role, layer, name in self.states:
             if role == "conv_state":  # rebound each step: cheap, and never a stale copy
                 binding.bind_cpu_input(name, pool.conv[layer])
+        outs: list = []
+        for t in self.spec.outputs:
+            if t.role in ("present_key", "present_value"):
+                outs.append(None)
+                continue
+            shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
+            buf = self._buffers.get(t.name)
+            if buf is None or buf.shape != shape:
+                buf = self._buffers[t.name] = np.empty(shape, numpy_dtype(t.dtype))
+            binding.bind_output(t.name, "cpu", 0, buf.dtype, list(shape), buf.ctypes.data)
+            outs.append(buf)
         self.session.run_with_iobinding(binding)
-        return [None if role in ("present_key", "present_value") else value.numpy()
-                for (role, _), value in zip(self.new, binding.get_outputs())]
+        return [o.copy() if role == "logits" else o for (role, _), o in zip(self.new, outs)]
 
     def _binding(self, pool: StatePool, n: int):
         """The IOBinding for batch n over the pool's current buffers, rebuilt when either changes.
@@ -134,7 +147,5 @@ class DecoderGraph:
         for (role, layer), name in zip(self.new, self.outputs):
             if role in ("present_key", "present_value"):
                 binding.bind_ortvalue_output(name, kv_values[(role.replace("present_", "past_"), layer)])
-            else:
-                binding.bind_output(name, "cpu")
         self._bound = (key, binding, kv_values)  # the OrtValues must outlive the binding's use
         return binding
