@@ -1,0 +1,198 @@
+"""Save an ``onnx_ir`` model as a graph file plus one external data file, quickly.
+
+The layout is the one ``onnx_ir.save(model, path, external_data=...)`` writes: every
+initializer (main graph and subgraphs) over ``size_threshold`` bytes packed densely, in
+declaration order, into one data file; smaller ones stay inline. Only the writing differs:
+onnx_ir writes each tensor with ``numpy.ndarray.tofile``, which goes element by element for
+the non-contiguous views that constant folding leaves behind (a folded ``Transpose`` of a
+weight is a lazy numpy transpose), about 7 s per GB. Here contiguous tensors are written
+straight from their memory, strided ones are made contiguous a block at a time with torch's
+copy kernel into a few reused buffers, and a second thread writes each block while the next
+is being made (both release the GIL). Bytes are copied once; memory stays flat. The model
+is unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+# onnx_ir.save's default: tensors of at most this many bytes stay inline in the graph file.
+SIZE_THRESHOLD = 256
+# Bytes per write() and per strided block: large enough to amortise calls and to copy a
+# typical per-layer weight whole, small enough that the few scratch buffers stay cheap
+# (fresh pages are slow to fault in on some VMs).
+_BLOCK = 16 << 20
+# Blocks queued for the writer thread beyond the one it is writing.
+_QUEUE_DEPTH = 2
+# Same-width integer views: the copy moves bytes, so any dtype of that width (ml_dtypes'
+# bfloat16 and float8 included) goes through the integer one without conversion.
+_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def save_model(model, path: Path, data_name: str | None = None, size_threshold: int = SIZE_THRESHOLD) -> None:
+    """Write ``model`` to ``path`` and its large initializers to ``data_name`` next to it
+    (default: ``<file name>.data``), replacing both files."""
+    import onnx_ir as ir
+
+    path = Path(path)
+    data_name = data_name or f"{path.name}.data"
+    values = [v for graph in model.graphs() for v in graph.initializers.values()]
+    missing = [v.name for v in values if v.const_value is None]
+    if missing:
+        raise ValueError(f"the model has initializers without values: {missing[:5]}")
+    big = [v for v in values if v.const_value.nbytes > size_threshold]
+    originals = [v.const_value for v in big]
+    try:
+        with open(path.parent / data_name, "wb", buffering=0) as f:
+            lengths = _write_tensors(f, originals)
+        offset = 0
+        for value, tensor, length in zip(big, originals, lengths):
+            if length != tensor.nbytes:  # a wrong layout would load as garbage: refuse
+                raise ValueError(f"initializer {value.name}: wrote {length} bytes, expected {tensor.nbytes}")
+            value.const_value = ir.ExternalTensor(
+                data_name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name,
+                doc_string=tensor.doc_string, metadata_props=dict(tensor.metadata_props), base_dir=path.parent,
+            )
+            offset += length
+        ir.save(model, path)  # external tensors keep their location/offset/length
+    finally:
+        for value, tensor in zip(big, originals):
+            value.const_value = tensor
+
+
+def _write_tensors(f, tensors) -> list[int]:
+    """Append each tensor's bytes to ``f``; returns the bytes written per tensor."""
+    pool = _BufferPool()
+    lengths = []
+    # One worker: writes run in submission order, so the file is laid out sequentially.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="external-data") as writer:
+        pending: deque = deque()  # (write future, scratch buffer to recycle or None), oldest first
+        try:
+            for tensor in tensors:
+                length = 0
+                for block, scratch in _blocks(tensor, pool):
+                    pending.append((writer.submit(_write_all, f, block), scratch))
+                    length += len(block)
+                    while len(pending) > _QUEUE_DEPTH:
+                        _finish(pending.popleft(), pool)
+                lengths.append(length)
+            while pending:
+                _finish(pending.popleft(), pool)
+        finally:  # on error: let queued writes finish before the file closes
+            for future, _ in pending:
+                future.cancel()
+    return lengths
+
+
+def _finish(item, pool: _BufferPool) -> None:
+    future, scratch = item
+    future.result()  # re-raises the writer's error here, in the caller's thread
+    if scratch is not None:
+        pool.give_back(scratch)
+
+
+class _BufferPool:
+    """Reused scratch buffers of ``_BLOCK`` bytes (or one row, if a row is larger)."""
+
+    def __init__(self) -> None:
+        self.free: list = []
+
+    def take(self, nbytes: int):
+        import torch
+
+        while self.free:
+            buf = self.free.pop()
+            if buf.numel() >= nbytes:
+                return buf
+        return torch.empty(max(nbytes, _BLOCK), dtype=torch.uint8)
+
+    def give_back(self, buf) -> None:
+        self.free.append(buf)
+
+
+def _blocks(tensor, pool: _BufferPool) -> Iterator[tuple[memoryview, object]]:
+    """(bytes, scratch buffer holding them or None) for each block of the tensor, in order."""
+    arr = _plain_array(tensor)
+    if arr is None:  # packed 4-bit, strings, big-endian hosts...: the tensor's own serializer
+        yield memoryview(tensor.tobytes()), None
+        return
+    if arr.flags.c_contiguous:
+        flat = memoryview(arr.reshape(-1).view(np.uint8))
+        for start in range(0, len(flat), _BLOCK):
+            yield flat[start: start + _BLOCK], None
+        return
+    yield from _strided_blocks(arr, pool)
+
+
+def _plain_array(tensor) -> np.ndarray | None:
+    """A numpy array whose memory, in C order, is exactly the tensor's serialized bytes; None
+    when that does not hold (then ``tobytes`` is the only faithful serializer)."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        arr = tensor.numpy()
+    except Exception:  # some tensor kinds cannot expose an array: let tobytes() decide
+        return None
+    if not isinstance(arr, np.ndarray) or arr.dtype.hasobject or arr.dtype.itemsize not in _INT_OF_WIDTH:
+        return None
+    if arr.nbytes != tensor.nbytes or not arr.dtype.isnative:  # e.g. 4-bit types unpack to a byte each
+        return None
+    return arr
+
+
+def _strided_blocks(arr: np.ndarray, pool: _BufferPool) -> Iterator[tuple[memoryview, object]]:
+    """C-order bytes of a non-contiguous array, copied a band of rows at a time into pool buffers.
+
+    ``arr`` has at least one row: 0-d and empty arrays are contiguous. torch copies a whole
+    transposed matrix with a cache-blocked kernel but a band of its rows element by element
+    (5-20x slower), so a tensor that fits one block is copied whole, and a larger transposed
+    matrix band by band in two cache-friendly steps (see ``_copy_band``).
+    """
+    import torch
+
+    ints = arr.view(_INT_OF_WIDTH[arr.dtype.itemsize])
+    rows = arr.shape[0] if arr.nbytes <= _BLOCK else max(1, _BLOCK // (arr.nbytes // arr.shape[0]))
+    try:
+        src = torch.from_numpy(ints)
+    except (TypeError, ValueError, RuntimeError):  # e.g. negative strides: numpy copies instead
+        for start in range(0, arr.shape[0], rows):
+            yield memoryview(np.ascontiguousarray(ints[start: start + rows]).reshape(-1).view(np.uint8)), None
+        return
+    staging = None
+    for start in range(0, arr.shape[0], rows):
+        part = src[start: start + rows]
+        nbytes = part.numel() * part.element_size()
+        scratch = pool.take(nbytes)
+        dst = scratch[:nbytes].view(part.dtype).view(part.shape)
+        if rows < arr.shape[0] and part.dim() == 2 and part.stride(0) == 1:
+            staging = staging if staging is not None and staging.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+            _copy_band(dst, part, staging[:nbytes].view(part.dtype))
+        else:
+            dst.copy_(part)
+        yield memoryview(dst.numpy().reshape(-1).view(np.uint8)), scratch
+
+
+def _copy_band(dst, band, staging) -> None:
+    """dst[:] = band, for a band of rows of a transposed matrix (strides (1, ld)).
+
+    First gather the band's columns (runs of contiguous source elements) into ``staging``,
+    then transpose that whole small matrix, which torch does with its blocked kernel.
+    """
+    cols = staging.view(band.shape[1], band.shape[0])
+    cols.copy_(band.t())
+    dst.copy_(cols.t())
+
+
+def _write_all(f, chunk) -> int:
+    """write() until the whole chunk is on disk (a raw write may be partial)."""
+    view = memoryview(chunk).cast("B")
+    done = 0
+    while done < len(view):
+        done += f.write(view[done:])
+    return done
