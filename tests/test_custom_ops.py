@@ -377,8 +377,9 @@ def test_exported_graph_carries_plugin_identity_and_function(exported, name):
         assert vi.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED
 
 
-class ConvThenMoE(torch.nn.Module):
-    """Both ops in one graph: short conv over the sequence, then routed experts on every token."""
+class EveryOp(torch.nn.Module):
+    """Every op in one graph: short conv over the sequence, attention over a cache, then
+    routed experts on every token."""
 
     def __init__(self):
         super().__init__()
@@ -389,36 +390,46 @@ class ConvThenMoE(torch.nn.Module):
         self.expert_bias = torch.nn.Buffer(_randn(g, E, scale=0.3))
         self.weight = torch.nn.Parameter(_randn(g, C, K, scale=0.5))
         self.bias = torch.nn.Parameter(_randn(g, C))
+        self.wq = torch.nn.Parameter(_randn(g, C, NQ * D, scale=0.3))
+        self.wk = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
+        self.wv = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
+        self.wo = torch.nn.Parameter(_randn(g, NQ * D, C, scale=0.3))
+        _, _, _, _, _, _, cos, sin = attention_inputs(g, 1, 1, 1)
+        self.cos, self.sin = torch.nn.Buffer(cos), torch.nn.Buffer(sin)
 
-    def forward(self, x, pool, slot_idx, seq_lens):
+    def forward(self, x, pool, slot_idx, seq_lens, past_key, past_value, position_ids):
         y, new_state = R.torch_op("ShortConv")(x, self.weight, self.bias, pool, slot_idx, seq_lens, C)
-        flat = y.reshape(-1, C)
+        a, new_k, new_v = R.torch_op("Attention")(y @ self.wq, y @ self.wk, y @ self.wv, past_key, past_value,
+                                                  position_ids, self.cos, self.sin, NQ, NKV, 0, D ** -0.5)
+        flat = (a @ self.wo).reshape(-1, C)
         out = R.torch_op("MoE")(flat, flat @ self.router.T, self.gate_up, self.down, self.expert_bias,
                                 TOP_K, 1, 1, 1e-6, 2.0)
-        return out.reshape(y.shape), new_state
+        return out.reshape(y.shape), new_state, new_k, new_v
 
 
-def _conv_then_moe_inputs(gen, batch, seq):
+def _every_op_inputs(gen, batch, seq, cache):
     x, _, _, pool, slot_idx, seq_lens = short_conv_inputs(gen, batch, seq)
-    return x, pool, slot_idx, seq_lens
+    _, _, _, past_key, past_value, position_ids, _, _ = attention_inputs(gen, batch, seq, cache)
+    return x, pool, slot_idx, seq_lens, past_key, past_value, position_ids
 
 
-def test_graph_with_both_ops(exported):
+def test_graph_with_every_op(exported):
     names = set(R.specs())
-    assert names == {"MoE", "ShortConv"}, "extend ConvThenMoE with the new op"
-    module = ConvThenMoE()
+    assert names == {"MoE", "ShortConv", "Attention"}, "extend EveryOp with the new op"
+    module = EveryOp()
 
     def make():
-        b, s = torch.export.Dim("B"), torch.export.Dim("S")
-        return module, _conv_then_moe_inputs(_gen(1), 3, 6), ({0: b, 1: s}, None, {0: b}, {0: b})
+        b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
+        return module, _every_op_inputs(_gen(1), 3, 6, 4), ({0: b, 1: s}, None, {0: b}, {0: b}, {0: b, 2: c},
+                                                            {0: b, 2: c}, {0: b, 1: s})
 
-    ex = exported("conv_then_moe", make)
+    ex = exported("every_op", make)
     _check_exported_graph(ex.model, names)
     assert {s.name for s in ex.used} == names
-    for size in ((3, 6), (1, 1), (2, 4)):
-        inputs = _conv_then_moe_inputs(_gen(11), *size)
+    for size in ((3, 6, 4), (1, 1, 7), (2, 4, 2)):
+        inputs = _every_op_inputs(_gen(11), *size)
         want = module(*inputs)
-        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state")):
+        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state", "new_key", "new_value")):
             assert_close(g, w, what=f"{what} at {size}")
 
 

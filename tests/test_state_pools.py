@@ -94,13 +94,13 @@ def test_manifest_describes_every_state_kind_and_its_layers(tiny):
     assert kinds[("kv", 8)].layers == (1, 3) and kinds[("kv", None)].layers == (2,)
     conv = kinds[("conv", None)]
     assert conv.layers == (0,) and conv.channels == 64 and conv.width == kernel - 1
-    assert {o.name for o in m.custom_ops} == {"ShortConv"}
+    assert {o.name for o in m.custom_ops} == {"ShortConv", "Attention"}
     graph = m.graph("decoder")
     roles = {(t.role, t.layer) for t in graph.inputs}
     assert ("conv_state", 0) in roles and ("past_key", 0) not in roles and ("past_key", 1) in roles
     assert {t.name for t in graph.inputs} >= {"seq_lens", "slot_idx"}
     moe = tiny("lfm2_moe").manifest
-    assert {o.name for o in moe.custom_ops} == {"ShortConv", "MoE"}
+    assert {o.name for o in moe.custom_ops} == {"ShortConv", "MoE", "Attention"}
 
 
 @pytest.mark.parametrize("name", ["lfm2_moe", "qwen3_moe"])
