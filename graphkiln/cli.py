@@ -17,7 +17,8 @@ def _export(args) -> int:
 
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
-        target=args.target, quant=args.quant, quant_block_size=args.quant_block_size))
+        target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
+        quant_symmetric=args.quant_scheme == "sym"))
     return 0
 
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "com.microsoft.MatMulNBits; onnxruntime target only)")
     e.add_argument("--quant-block-size", type=int, default=32, metavar="N",
                    help="weights per quantization block along the input features (power of two >= 16, default 32)")
+    e.add_argument("--quant-scheme", default="sym", choices=["sym", "asym"],
+                   help="sym (default): scale per block, no zero points (faster); asym: scale and zero point "
+                        "per block (tighter fit for skewed blocks)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 

@@ -95,6 +95,7 @@ class ModelInfo:
     dtype: str  # of activations and of the weights that are not quantized
     quant: str | None = None  # weight-only quantization of the Linear layers: "int4" | "int8"
     quant_block_size: int | None = None  # weights per quantization block (along the input features)
+    quant_symmetric: bool | None = None  # True: no zero points (the kernel's midpoint); False: per-block zero points
 
 
 @dataclass(frozen=True)

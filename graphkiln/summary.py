@@ -23,7 +23,8 @@ def describe(root: Path, m: Manifest) -> str:
         f"hidden {m.model.hidden_size}, vocab {m.model.vocab_size}, dtype {m.model.dtype}",
     ]
     if m.model.quant:
-        lines.append(f"quant        {m.model.quant} weight-only (Linear layers, blocks of {m.model.quant_block_size}, "
+        scheme = {True: "symmetric ", False: "asymmetric "}.get(m.model.quant_symmetric, "")
+        lines.append(f"quant        {m.model.quant} weight-only (Linear layers, {scheme}blocks of {m.model.quant_block_size}, "
                      f"com.microsoft.MatMulNBits); embeddings and norms {m.model.dtype}")
     for g in m.graphs:
         lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target})")

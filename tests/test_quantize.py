@@ -1,7 +1,7 @@
 """``graphkiln export --quant int4|int8``: Linear weights -> com.microsoft.MatMulNBits.
 
 The tiny Llama (GQA, attention and MLP bias, untied lm_head) is exported once per quant
-through the real CLI and compared with its fp32 artifact (same checkpoint, same initializer
+(int4 and int8 symmetric, the default, and int4 asymmetric) through the real CLI and compared with its fp32 artifact (same checkpoint, same initializer
 names): the graph (MatMulNBits everywhere a Linear was, biases folded, no float copies of the
 quantized weights), the sizes, the stored weights (every dequantized weight within half a
 quantization step of the fp32 one), the logits, ``verify``'s quantized defaults, and a
@@ -26,12 +26,19 @@ from graphkiln.export.lowering.quantize import dequantize_reference, quantize_li
 
 ort = pytest.importorskip("onnxruntime")
 
-QUANTS = {"int4": 4, "int8": 8}
+# artifact -> (bits, symmetric): the default scheme for each width, and int4 with zero points
+QUANTS = {"int4": (4, True), "int8": (8, True), "int4-asym": (4, False)}
 LINEARS_PER_LAYER = 4  # q/k/v and gate/up fused by the onnxruntime target: qkv, o, gate_up, down
 # logits vs the fp32 artifact on the prompts below: (max RMS error / RMS spread, min top-1
 # agreement). Measured: int8 0.033 / 89%, int4 0.32 / 63% (random weights: quantization at
 # its noisiest); broken int4 artifacts 0.78-1.37 / <= 9% (test_broken_artifact_is_caught).
-LOGIT_BOUNDS = {"int8": (0.1, 0.75), "int4": (0.5, 0.35)}
+LOGIT_BOUNDS = {"int8": (0.1, 0.75), "int4": (0.5, 0.35), "int4-asym": (0.5, 0.35)}
+
+
+def _qparams(node, inits):
+    """(packed, scales, zero points or None) of a MatMulNBits node."""
+    zp = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    return inits[node.input[1]], inits[node.input[2]], (inits[zp] if zp else None)
 
 
 def _rms_rel(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -56,10 +63,10 @@ def quantized(base, tmp_path_factory):
     """quant -> artifact directory, exported through the CLI."""
     root = tmp_path_factory.mktemp("quant")
     out = {}
-    for quant in QUANTS:
+    for quant, (bits, symmetric) in QUANTS.items():
         out[quant] = root / quant
         assert main(["export", str(base.checkpoint), "-o", str(out[quant]), "--max-seq-len", "128",
-                     "--quant", quant]) == 0
+                     "--quant", f"int{bits}", "--quant-scheme", "sym" if symmetric else "asym"]) == 0
     return out
 
 
@@ -75,9 +82,10 @@ def _nbits_nodes(model):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_graph_has_matmulnbits_and_no_float_copies(quant, quantized, base):
-    bits = QUANTS[quant]
+    bits, symmetric = QUANTS[quant]
     manifest = json.loads((quantized[quant] / "manifest.json").read_text())
-    assert manifest["model"]["quant"] == quant and manifest["model"]["quant_block_size"] == 32
+    assert manifest["model"]["quant"] == f"int{bits}" and manifest["model"]["quant_block_size"] == 32
+    assert manifest["model"]["quant_symmetric"] is symmetric
     assert manifest["graphs"][0]["target"] == "onnxruntime"
 
     model = onnx.load(str(quantized[quant] / "decoder.onnx"), load_external_data=False)
@@ -105,25 +113,34 @@ def test_graph_has_matmulnbits_and_no_float_copies(quant, quantized, base):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_weights_are_small_and_within_half_a_step(quant, quantized, base):
-    bits = QUANTS[quant]
+    bits, symmetric = QUANTS[quant]
     model = onnx.load(str(quantized[quant] / "decoder.onnx"))
     ref = _inits(onnx.load(str(base.artifact / "decoder.onnx")))
     inits = _inits(model)
     quant_bytes = float_bytes = 0
     for node, attrs in _nbits_nodes(model):
-        packed, scales, zp = (inits[i] for i in node.input[1:4])
+        packed, scales, zp = _qparams(node, inits)
+        assert (zp is None) == symmetric
         w = ref[node.input[1].rsplit(".", 1)[0]]  # the fp32 artifact's weight of the same name, [K, N]
         assert w.shape == (attrs["K"], attrs["N"])
         deq = dequantize_reference(packed, scales, zp, attrs["K"], bits)
-        step = np.repeat(scales, 32, axis=1)[:, :attrs["K"]].T  # [K, N]
-        assert np.all(np.abs(deq - w) <= step / 2 + 1e-6), node.name
-        assert np.all(step <= (w.max() - w.min()) / (2 ** bits - 1) * 1.001 + 1e-7)  # no inflated scales
-        quant_bytes += packed.nbytes + scales.nbytes + zp.nbytes
+        step = np.abs(np.repeat(scales, 32, axis=1)[:, :attrs["K"]].T)  # [K, N]
+        err = np.abs(deq - w)
+        if symmetric:  # levels -2^(b-1)..2^(b-1)-1 around 0, the block's max |w| on the long side: the
+            # opposite extreme may be clipped by up to one step, everything else rounds to the nearest
+            assert np.all(err <= step + 1e-6), node.name
+            assert np.mean(err <= step / 2 + 1e-6) > 0.97, node.name
+        else:
+            assert np.all(err <= step / 2 + 1e-6), node.name
+        widest = np.abs(w).max() / 2 ** (bits - 1) if symmetric else (w.max() - w.min()) / (2 ** bits - 1)
+        assert np.all(step <= widest * 1.001 + 1e-7)  # no inflated scales
+        quant_bytes += packed.nbytes + scales.nbytes + (zp.nbytes if zp is not None else 0)
         float_bytes += w.nbytes
-    # bits + a 32-bit scale and a bits-wide zero point per 32 weights
-    assert quant_bytes / float_bytes == pytest.approx((bits + 32 / 32 + bits / 32) / 32, rel=0.02)
+    # bits + a 32-bit scale (and a bits-wide zero point when asymmetric) per 32 weights
+    per_block = 32 + (0 if symmetric else bits)
+    assert quant_bytes / float_bytes == pytest.approx((bits + per_block / 32) / 32, rel=0.02)
     data, fp32_data = (p / "decoder.onnx.data" for p in (quantized[quant], base.artifact))
-    assert data.stat().st_size / fp32_data.stat().st_size < {"int8": 0.45, "int4": 0.35}[quant]
+    assert data.stat().st_size / fp32_data.stat().st_size < {8: 0.45, 4: 0.35}[bits]
     assert data.stat().st_mode & 0o777 == (quantized[quant] / "decoder.onnx").stat().st_mode & 0o777
 
 
@@ -142,7 +159,7 @@ def test_verify_passes_with_quantized_defaults(quant, quantized, base, capsys):
     code = main(["verify", str(quantized[quant]), "--reference", str(base.checkpoint), "--steps", "16"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.startswith(f"{quant} weights vs fp32 reference") and "PASS" in out
+    assert out.startswith(f"int{QUANTS[quant][0]} weights vs fp32 reference") and "PASS" in out
 
 
 def _break(src: Path, dst: Path, how: str) -> Path:
@@ -168,7 +185,7 @@ def test_broken_artifact_is_caught(how, quantized, base, tmp_path):
     from graphkiln.export.verify import verify_artifact
     from graphkiln.runtime import Engine
 
-    engine = Engine.load(_break(quantized["int4"], tmp_path / "broken", how), check_files=False)
+    engine = Engine.load(_break(quantized["int4-asym"], tmp_path / "broken", how), check_files=False)
     rms, top1 = _logit_stats(engine, base.engine, base.prompts((12, 7, 16), salt=5))
     max_rms, min_top1 = LOGIT_BOUNDS["int4"]
     assert rms > max_rms and top1 < min_top1, (rms, top1)
@@ -180,7 +197,7 @@ def test_inspect_shows_quantization(quantized, capsys):
     capsys.readouterr()
     assert main(["inspect", str(quantized["int4"])]) == 0
     out = capsys.readouterr().out
-    assert "quant        int4 weight-only" in out and "blocks of 32" in out and "target onnxruntime" in out
+    assert "quant        int4 weight-only" in out and "symmetric blocks of 32" in out and "target onnxruntime" in out
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -216,10 +233,10 @@ def test_pass_on_gemm_bias_and_padding():
         [numpy_helper.from_array(a, name) for a, name in ((w_gemm, "wg"), (w_mm, "wm"), (b_gemm, "bg"), (b_mm, "bm"))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     x = rng.standard_normal((5, k)).astype(np.float32)
-    for bits in (4, 8):
+    for bits, symmetric in ((4, True), (8, True), (4, False), (8, False)):
         m = onnx.ModelProto()
         m.CopyFrom(model)
-        stats = quantize_linear_weights(m, bits, 32, accuracy_level=0)
+        stats = quantize_linear_weights(m, bits, 32, accuracy_level=0, symmetric=symmetric)
         assert (stats.nodes, stats.weights) == (2, 2)
         assert [x.op_type for x in m.graph.node] == ["MatMulNBits", "MatMulNBits", "Relu"]  # Add folded
         assert {t.name for t in m.graph.initializer}.isdisjoint({"wg", "wm"})
@@ -227,13 +244,15 @@ def test_pass_on_gemm_bias_and_padding():
         deq = {}
         for node, attrs in _nbits_nodes(m):
             assert (attrs["K"], attrs["N"]) == (k, n)
-            deq[node.output[0]] = dequantize_reference(*(inits[i] for i in node.input[1:4]), k, bits)
+            deq[node.output[0]] = dequantize_reference(*_qparams(node, inits), k, bits)
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
         y_gemm, y_mm = sess.run(["y_gemm", "y_mm"], {"x": x})
         np.testing.assert_allclose(y_gemm, np.maximum(x @ deq["g"] + b_gemm, 0), rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(y_mm, x @ deq["y_mm"] + b_mm, rtol=1e-5, atol=1e-4)
-        # and the dequantized weights are the originals up to half a step
-        assert np.abs(deq["g"] - w_gemm.T).max() <= np.abs(w_gemm).max() * 2 / (2 ** bits - 1) / 2 * 1.01
+        # and the dequantized weights are the originals up to half a step (a whole step at the
+        # clipped extreme of a symmetric block)
+        step = np.abs(w_gemm).max() * 2 / (2 ** bits - 1) / 2 if not symmetric else np.abs(w_gemm).max() / 2 ** (bits - 1)
+        assert np.abs(deq["g"] - w_gemm.T).max() <= step * 1.01
 
 
 def test_moe_router_stays_float_and_verify_passes(tmp_path, capsys):

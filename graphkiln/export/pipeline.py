@@ -31,6 +31,7 @@ class ExportOptions:
     # onnxruntime-target only): None, "int4" or "int8"; block-wise along K.
     quant: str | None = None
     quant_block_size: int = 32
+    quant_symmetric: bool = True  # False: asymmetric blocks with zero points (see lowering.quantize)
 
     @property
     def resolved_target(self) -> str:
@@ -75,7 +76,7 @@ def release_exporter_references() -> None:
 
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
-                          say=lambda msg: None):
+                          quant_symmetric: bool = True, say=lambda msg: None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
@@ -108,9 +109,11 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         f"into their siblings, {skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
-        stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir)
+        stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir,
+                                        symmetric=quant_symmetric)
         quantized = stats.nodes
-        say(f"      quantized {stats.summary()} ({quant}, block {quant_block_size})")
+        scheme = "symmetric" if quant_symmetric else "asymmetric"
+        say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
     if rewritten or quantized or fused:  # weights changed: write a new data file
         load_external_data_for_model(model, str(out_dir))  # what is left of the old data file
@@ -195,6 +198,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             t2 = time.perf_counter()
             release_exporter_references()
             graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops, opts.quant, opts.quant_block_size,
+                                                    opts.quant_symmetric,
                                                     say=lambda msg: _say(opts, msg))
             _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t2:.1f}s")
 
@@ -215,7 +219,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(
             model=ModelInfo(archs[0], str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
-                            quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None),
+                            quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None,
+                            quant_symmetric=opts.quant_symmetric if opts.quant else None),
             graphs=(graph,),
             states=tuple(states),
             generation=generation_defaults(src, raw),

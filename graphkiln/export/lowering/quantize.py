@@ -18,12 +18,15 @@ What the exporter emits, and what is rewritten:
   router input of a ``graphkiln.MoE`` node, through Cast/Reshape/Identity): they are tiny and
   a quantized router can pick other experts. So run this pass before the MoE lowering.
 
-Quantization: round-to-nearest (RTN), asymmetric per block of ``block_size`` weights along K
-(scale = (max - min) / (2^bits - 1), uint zero point), computed by onnxruntime's own C++
+Quantization: round-to-nearest (RTN) per block of ``block_size`` weights along K, symmetric
+(scale = max|w| / 2^(bits-1), no zero points: the kernel's implicit midpoint; the default,
+as onnxruntime-genai's builder does, ~5-9% faster int4 decode than asymmetric here) or
+asymmetric (scale = (max - min) / (2^bits - 1), uint zero point), computed by onnxruntime's own C++
 routines (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``, the ones its
 ``MatMulNBitsQuantizer`` uses), so the layout is exactly what the kernel reads:
 ``B [N, ceil(K / block), block * bits / 8]`` uint8, ``scales [N, ceil(K / block)]`` in the
-weight's float type, ``zero_points [N, ceil(ceil(K / block) * bits / 8)]`` packed uint8.
+weight's float type, and when asymmetric ``zero_points [N, ceil(ceil(K / block) * bits / 8)]``
+packed uint8.
 K need not be a multiple of the block size (the last block is zero-padded).
 
 ``accuracy_level=4`` lets the CPU kernel quantize the activations to int8 per block and use
@@ -73,7 +76,8 @@ def block_size_ok(block_size: int) -> bool:
 
 
 def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int = 32,
-                            base_dir: str | Path | None = None, accuracy_level: int = ACCURACY_LEVEL) -> QuantStats:
+                            base_dir: str | Path | None = None, accuracy_level: int = ACCURACY_LEVEL,
+                            symmetric: bool = True) -> QuantStats:
     """Rewrite the Linear layers of ``model.graph`` into ``com.microsoft.MatMulNBits``, in place.
 
     ``base_dir`` is where external-data files are (needed when weights are not loaded).
@@ -112,14 +116,15 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
             if transposed:  # Gemm transB=1: [N, K] -> [K, N]
                 w = w.T
             k, n = w.shape
-            q, scales, zp = _quantize(np.ascontiguousarray(w), bits, block_size)
+            q, scales, zp = _quantize(np.ascontiguousarray(w), bits, block_size, symmetric)
             del w
             stem = weight.replace("/", "_")
-            tensors = [(names.fresh(f"{stem}.q{bits}"), q), (names.fresh(f"{stem}.scales"), scales),
-                       (names.fresh(f"{stem}.zero_points"), zp)]
+            tensors = [(names.fresh(f"{stem}.q{bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
+            if zp is not None:
+                tensors.append((names.fresh(f"{stem}.zero_points"), zp))
             for name, arr in tensors:
                 _add_initializer(graph, name, arr)
-            quantized[weight, transposed] = (*(t[0] for t in tensors), k, n)
+            quantized[weight, transposed] = (tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n)
             float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
             quant_bytes += sum(arr.nbytes for _, arr in tensors)
             candidates.add(weight)
@@ -228,8 +233,8 @@ def _read(init: TensorProto, base_dir) -> np.ndarray:
     return arr.reshape(tuple(init.dims))
 
 
-def _quantize(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """RTN, asymmetric, block-wise along K of w [K, N] -> (packed B, scales, packed zero points)."""
+def _quantize(w: np.ndarray, bits: int, block_size: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """RTN block-wise along K of w [K, N] -> (packed B, scales, packed zero points or None if symmetric)."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
     k, n = w.shape
@@ -240,8 +245,8 @@ def _quantize(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np
     if k % block_size:  # the kernel reads whole blocks: pad K with zeros
         w = np.pad(w, ((0, k_blocks * block_size - k), (0, 0)))
     fn = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
-    fn(packed, w, scales, zero_points, block_size, n, k, False)
-    return packed, scales, zero_points
+    fn(packed, w, scales, zero_points, block_size, n, k, symmetric)
+    return packed, scales, None if symmetric else zero_points
 
 
 def _add_initializer(graph: onnx.GraphProto, name: str, arr: np.ndarray) -> None:
@@ -252,14 +257,18 @@ def _add_initializer(graph: onnx.GraphProto, name: str, arr: np.ndarray) -> None
     tensor.raw_data = arr.tobytes()
 
 
-def dequantize_reference(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, k: int,
+def dequantize_reference(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int,
                          bits: int) -> np.ndarray:
-    """The float [K, N] weight a MatMulNBits (B, scales, zero_points) represents (for tests)."""
+    """The float [K, N] weight a MatMulNBits (B, scales, zero_points) represents (for tests);
+    without zero points, the kernel's default: the midpoint 2^(bits-1)."""
     n, k_blocks, blob = packed.shape
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     shifts = np.arange(per_byte, dtype=np.uint8) * bits
     q = ((packed[..., None] >> shifts) & mask).reshape(n, k_blocks, blob * per_byte).astype(np.float32)
-    zp = ((zero_points[..., None] >> shifts) & mask).reshape(n, -1)[:, :k_blocks].astype(np.float32)
+    if zero_points is None:
+        zp = np.full((n, k_blocks), float(1 << (bits - 1)), np.float32)
+    else:
+        zp = ((zero_points[..., None] >> shifts) & mask).reshape(n, -1)[:, :k_blocks].astype(np.float32)
     w = (q - zp[..., None]) * scales[..., None].astype(np.float32)
     return w.reshape(n, -1)[:, :k].T
