@@ -10,8 +10,9 @@ One run, one random-init checkpoint per model, the same thread count for every r
 Rows (each a peer run as it ships, with its own defaults):
   graphkiln fp32           graphkiln export --target onnxruntime (--max-seq-len 1024) +
                            graphkiln.runtime.Engine: the CPU artifact, as the builder's `-e cpu`
-  graphkiln int4           same with --quant int4; skipped, with the reason printed, when
-                           `graphkiln export --help` has no --quant
+  graphkiln int4           same with --quant int4 (symmetric, block 32: the builder's int4 settings);
+                           skipped, with the reason printed, when `graphkiln export --help` has no --quant
+  graphkiln int4 block 128 same with --quant-block-size 128 (fewer scale bytes per weight)
   graphkiln fp32 portable  graphkiln export --target portable (the TensorRT-parseable graph, custom
                            ops run through their ONNX function bodies) on the same runtime
   onnxruntime-genai fp32   python -m onnxruntime_genai.models.builder -i CKPT -p fp32 -e cpu,
@@ -104,6 +105,7 @@ ROWS = [
     # name, runner (which generation loop), venv (None: this interpreter), precision
     ("graphkiln fp32", "graphkiln", None, "fp32"),
     ("graphkiln int4", "graphkiln", None, "int4"),
+    ("graphkiln int4 block 128", "graphkiln", None, "int4-b128"),
     ("graphkiln fp32 portable", "graphkiln", None, "fp32-portable"),
     ("onnxruntime-genai fp32", "ortgenai", "ortgenai", "fp32"),
     ("onnxruntime-genai int4", "ortgenai", "ortgenai", "int4"),
@@ -526,8 +528,8 @@ def export_row(name: str, runner: str, precision: str, py: Path | None, ckpt: Pa
         # the CPU artifacts, as onnxruntime-genai's `-e cpu`: --target onnxruntime (GroupQueryAttention
         # with the cache in place, fused MatMuls); the portable row shows what that lowering buys
         cmd += ["--target", "portable" if precision == "fp32-portable" else "onnxruntime"]
-        if precision == "int4":
-            cmd += ["--quant", "int4"]
+        if precision.startswith("int4"):
+            cmd += ["--quant", "int4"] + (["--quant-block-size", "128"] if precision == "int4-b128" else [])
     elif runner == "ortgenai":
         cache = work / f"{out.name}.cache"
         cmd = [str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(tmp),
@@ -591,7 +593,7 @@ def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, qu
             why = "--skip-optimum"
         elif venv is not None and venv_errors.get(venv):
             why = f"environment {venv} unavailable: {venv_errors[venv]}"
-        elif name == "graphkiln int4" and not quant[0]:
+        elif name.startswith("graphkiln int4") and not quant[0]:
             why = quant[1]
         if why:
             row.update(status="skipped", reason=why)

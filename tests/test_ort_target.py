@@ -65,16 +65,18 @@ def test_onnxruntime_graph_uses_fused_kernels(tiny, name):
     layers = m.model.num_layers
     # one residual Add + RMSNorm pair per norm except the first layer's input norm
     assert ops[(MS, "SkipSimplifiedLayerNormalization")] == 2 * layers - 1
-    # q/k/v of every attention layer and gate/up of every dense MLP are one MatMul each
-    assert ops[("", "MatMul")] < _ops(tiny(name, "portable"))[("", "MatMul")]
+    # the lowering changes nodes, not weights: the Linear layers are the portable graph's
+    assert ops[("", "MatMul")] == _ops(tiny(name, "portable"))[("", "MatMul")]
 
 
-def test_fused_matmul_counts_for_a_dense_model(tiny):
-    """llama_gqa_bias (2 layers, biases everywhere): per layer qkv, o, gate_up, down + lm_head."""
-    case = tiny("llama_gqa_bias", "onnxruntime")
-    ops = _ops(case)
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_fused_matmul_counts_for_a_dense_model(tiny, target):
+    """llama_gqa_bias (2 layers, biases everywhere): per layer qkv, o, gate_up, down + lm_head,
+    q/k/v and gate/up each one Linear in the decoder itself."""
+    ops = _ops(tiny("llama_gqa_bias", target))
     assert ops[("", "MatMul")] == 4 * 2 + 1
-    assert ops[("", "Split")] == 2  # gate/up; q/k/v go packed into GroupQueryAttention
+    # gate/up; q/k/v too in the portable graph, packed into GroupQueryAttention in the lowered one
+    assert ops[("", "Split")] == {"portable": 4, "onnxruntime": 2}[target]
 
 
 def test_kv_cache_is_written_in_place_by_the_graph(tiny):

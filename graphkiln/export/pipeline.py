@@ -92,7 +92,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
 
     from graphkiln.export.custom_ops.spec import DOMAIN
     from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
-    from graphkiln.export.lowering.ort_fusions import fuse_parallel_matmuls, fuse_skip_rmsnorm, pack_gqa_qkv
+    from graphkiln.export.lowering.ort_fusions import fuse_skip_rmsnorm, pack_gqa_qkv
     from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime
     from graphkiln.export.lowering.quantize import QUANT_BITS, quantize_linear_weights
 
@@ -102,11 +102,10 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     if has_moe:
         load_external_data_for_model(model, str(out_dir))
     graph, attention = lower_attention_for_onnxruntime(model, graph)
-    fused = fuse_parallel_matmuls(model, base_dir=out_dir)
     packed = pack_gqa_qkv(model)
     skip_norms = fuse_skip_rmsnorm(model)
-    say(f"      {attention} attention -> GroupQueryAttention ({packed} with packed q/k/v), {fused} MatMuls fused "
-        f"into their siblings, {skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
+    say(f"      {attention} attention -> GroupQueryAttention ({packed} with packed q/k/v), "
+        f"{skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
         stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir,
@@ -115,7 +114,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         scheme = "symmetric" if quant_symmetric else "asymmetric"
         say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
-    if rewritten or quantized or fused:  # weights changed: write a new data file
+    if rewritten or quantized:  # weights changed: write a new data file
         load_external_data_for_model(model, str(out_dir))  # what is left of the old data file
         data = path.with_name(path.name + ".data")
         path.unlink()

@@ -1,7 +1,9 @@
 """Export-friendly torch modules for pre-norm decoders: dense, MoE and conv hybrids.
 
-The module tree uses one canonical set of parameter names (Llama's, plus ``conv`` and fused
-``experts``); each family maps them to its checkpoint's names (``ModelFamily.source``).
+The module tree uses one canonical set of parameter names (Llama's, with q/k/v fused into
+``qkv_proj`` and gate/up into ``gate_up_proj``, plus ``conv`` and fused ``experts``); each
+family maps Llama's unfused names to its checkpoint's names (``ModelFamily.source``) and
+``sources.fused_source`` assembles the fused ones from them.
 The forward takes per-request state as plain tensors and returns only what changed; the
 runtime owns the state pools and writes the returned rows back (``graphkiln.runtime.state``).
 Cache position == token position: row b's token at position p lives at ``past_key[b, :, p]``.
@@ -57,9 +59,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = spec.window
         self.rope = spec.rope
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # q, k and v in one Linear (one weight read, one GEMM per step): checkpoints' separate
+        # q_proj/k_proj/v_proj are concatenated on load (``sources.fused_source``).
+        self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -72,7 +75,7 @@ class Attention(nn.Module):
         from graphkiln.export.custom_ops.registry import torch_op
 
         b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.view(b, s, self.num_heads, self.head_dim)).view(b, s, -1)
             k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
@@ -109,13 +112,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, intermediate: int | None = None) -> None:
         super().__init__()
         inter = intermediate or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # gate rows, then up rows
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Experts(nn.Module):

@@ -48,6 +48,22 @@ def renamer(rules: list[tuple[str, str]]):
     return rename
 
 
+_FUSED = (
+    (re.compile(r"^(.*\.self_attn)\.qkv_proj\.(weight|bias)$"), ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"^(.*\.mlp)\.gate_up_proj\.(weight|bias)$"), ("gate_proj", "up_proj")),
+)
+
+
+def fused_source(source, name: str, cfg) -> Source:
+    """``source(name, cfg)`` for the decoder's fused Linears too: their tensor is the rows of
+    the Llama-named parts, concatenated (q, k, v; gate, up), each part mapped by ``source``."""
+    for pattern, parts in _FUSED:
+        m = pattern.match(name)
+        if m:
+            return Cat(tuple(source(f"{m.group(1)}.{part}.{m.group(2)}", cfg) for part in parts))
+    return source(name, cfg)
+
+
 def stacked_experts(prefix: str, num_experts: int, gate: str, up: str, down: str) -> dict[str, Source]:
     """Sources for fused expert tensors from a checkpoint that may store them per expert.
 

@@ -18,7 +18,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport
 from graphkiln.models.registry import ModelFamily
-from graphkiln.models.sources import Alt, Cat, Source, Stack, names_in
+from graphkiln.models.sources import Alt, Cat, Source, Stack, fused_source, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -114,7 +114,7 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
     wanted = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight")
-    sources = {name: family.source(name, cfg) for name in wanted}
+    sources = {name: fused_source(family.source, name, cfg) for name in wanted}
     missing = [reader.missing(src) for src in sources.values() if not reader.has(src)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
