@@ -21,6 +21,7 @@ from graphkiln.models.registry import ModelFamily
 from graphkiln.models.sources import Alt, Cat, Source, Stack, fused_source, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Tensor, float]:
@@ -66,6 +67,7 @@ class _Reader:
     def __init__(self, where: dict[str, Path]) -> None:
         self.where = where
         self.handles: dict[Path, object] = {}
+        self.headers: dict[Path, tuple[int, dict]] = {}  # shard -> (data start, header entries)
 
     def has(self, src: Source) -> bool:
         if isinstance(src, str):
@@ -85,7 +87,7 @@ class _Reader:
         if isinstance(src, Stack):
             return torch.stack([self.read(p) for p in src.parts])
         if isinstance(src, Cat):
-            return torch.cat([self.read(p) for p in src.parts])
+            return self._read_cat(src)
         shard = self.where[src]
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
@@ -96,6 +98,51 @@ class _Reader:
                 f"{shard.name} is truncated or corrupt reading '{src}' ({str(exc).splitlines()[0]}): "
                 "re-download or re-save the checkpoint"
             ) from None
+
+    def _read_cat(self, src: Cat) -> torch.Tensor:
+        """Concatenate the parts (along dim 0) straight from the files into one new tensor.
+
+        Reading through safetensors' memory map would leave every part's pages mapped until
+        the shard is closed, on top of the concatenated copy: the fused q/k/v and gate/up
+        Linears (most of a model's bytes) would count twice in peak RSS. Plain reads into the
+        destination keep them once.
+        """
+        metas = [self._meta(p) if isinstance(p, str) else None for p in src.parts]
+        if any(m is None for m in metas) or len({m[1] for m in metas}) != 1 or len({m[2][1:] for m in metas}) != 1:
+            return torch.cat([self.read(p) for p in src.parts])  # nested sources or mixed layouts
+        _, dtype, shape, _ = metas[0]
+        out = torch.empty((sum(m[2][0] for m in metas), *shape[1:]), dtype=dtype)
+        flat = out.view(-1).view(torch.uint8) if out.numel() else out
+        at = 0
+        for part, (path, _, _, (begin, end)) in zip(src.parts, metas):
+            with open(path, "rb") as f:
+                f.seek(begin)
+                got = f.readinto(memoryview(flat[at: at + end - begin].numpy()))
+            if got != end - begin:
+                raise GraphkilnError(f"{path.name} is truncated reading '{part}': re-download or re-save the checkpoint")
+            at += end - begin
+        return out
+
+    def _meta(self, name: str):
+        """(shard, torch dtype, shape, absolute (begin, end) byte range) of a tensor, from the header."""
+        import json as _json
+        import struct
+
+        if name not in self.where:
+            return None
+        shard = self.where[name]
+        header = self.headers.get(shard)
+        if header is None:
+            with open(shard, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = self.headers[shard] = (8 + n, _json.loads(f.read(n)))
+        base, entries = header
+        entry = entries.get(name)
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if entry else None
+        if dtype is None:
+            return None
+        begin, end = entry["data_offsets"]
+        return shard, dtype, tuple(entry["shape"]), (base + begin, base + end)
 
     def close(self) -> None:
         for h in self.handles.values():
