@@ -46,6 +46,7 @@ def describe(root: Path, m: Manifest) -> str:
         lines.append(
             f"state        {s.kind} on layers {_ranges(s.layers)}: {s.num_kv_heads} kv heads x {s.head_dim}, "
             f"max {s.max_seq_len} tokens, {s.dtype}{window} ({_size(per_token)}/token)"
+            + (", written in place by the graph" if s.update == "in_place" else "")
         )
     for op in m.custom_ops:
         lines.append(f"custom op    {op.domain}.{op.name} v{op.version} (TensorRT plugin "

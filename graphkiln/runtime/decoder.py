@@ -63,6 +63,9 @@ class DecoderGraph:
                         if t.role in ("present_key", "present_value")}
         self._bound: tuple | None = None  # (key, IOBinding, KV OrtValues) for in-place graphs; see _binding
         self._buffers: dict[str, np.ndarray] = {}  # reused output buffers of in-place graphs, by output name
+        # the outputs an in-place graph returns into those buffers: all but present_*
+        self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
+                          if t.role not in ("present_key", "present_value")]
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -70,6 +73,8 @@ class DecoderGraph:
 
         Row b is slot b and holds ``lengths[b]`` real tokens starting at position
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
+        The logits array may be a buffer this object reuses: valid until the next ``run``
+        (copy what must outlive it).
         """
         n = input_ids.shape[0]
         slot_idx = np.arange(n, dtype=np.int64)
@@ -87,9 +92,11 @@ class DecoderGraph:
         new: dict[int, dict[str, np.ndarray]] = {}
         logits = None
         for (role, layer), value in zip(self.new, outs):
+            if value is None:  # present_*: the pool itself
+                continue
             if role == "logits":
                 logits = value
-            elif role not in ("present_key", "present_value"):
+            else:
                 new.setdefault(layer, {})[role] = value
         for layer, rows in new.items():
             if "new_conv_state" in rows:
@@ -102,8 +109,8 @@ class DecoderGraph:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
 
         The other outputs go into buffers reused from step to step (binding them costs less
-        than wrapping every output ORT allocates); returns them in spec order (the logits as
-        a copy, since its buffer is reused) and None for the present_* ones (they are the pool).
+        than wrapping every output ORT allocates, and reused pages are already mapped); returns
+        them in spec order, with None for the present_* ones (they are the pool).
         """
         binding = self._binding(pool, n)
         for role, name in self.names.items():
@@ -111,19 +118,16 @@ class DecoderGraph:
         for role, layer, name in self.states:
             if role == "conv_state":  # rebound each step: cheap, and never a stale copy
                 binding.bind_cpu_input(name, pool.conv[layer])
-        outs: list = []
-        for t in self.spec.outputs:
-            if t.role in ("present_key", "present_value"):
-                outs.append(None)
-                continue
-            shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
-            buf = self._buffers.get(t.name)
+        outs: list = [None] * len(self.new)
+        for i, name, spec_shape, dtype in self._returned:
+            shape = tuple(dims[d] if isinstance(d, str) else d for d in spec_shape)
+            buf = self._buffers.get(name)
             if buf is None or buf.shape != shape:
-                buf = self._buffers[t.name] = np.empty(shape, numpy_dtype(t.dtype))
-            binding.bind_output(t.name, "cpu", 0, buf.dtype, list(shape), buf.ctypes.data)
-            outs.append(buf)
+                buf = self._buffers[name] = np.empty(shape, dtype)
+            binding.bind_output(name, "cpu", 0, dtype, list(shape), buf.ctypes.data)
+            outs[i] = buf
         self.session.run_with_iobinding(binding)
-        return [o.copy() if role == "logits" else o for (role, _), o in zip(self.new, outs)]
+        return outs
 
     def _binding(self, pool: StatePool, n: int):
         """The IOBinding for batch n over the pool's current buffers, rebuilt when either changes.

@@ -169,7 +169,7 @@ class Engine:
         finally:
             for slot in reversed(slots):
                 self.pool.release(slot)
-        return [logits[b, : len(p)] for b, p in enumerate(ids)]
+        return [logits[b, : len(p)].copy() for b, p in enumerate(ids)]  # the graph reuses its logits buffer
 
     def _prefill(self, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
         n, longest = len(ids), max(map(len, ids))
