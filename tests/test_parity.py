@@ -216,14 +216,18 @@ def test_verify_passes_for_a_checkpoint_that_samples_by_default(sampling_default
 
 # -- half precision ------------------------------------------------------------------------------
 
-def test_fp16_artifact_verifies_within_half_precision_tolerance(llama_case, tmp_path):
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_fp16_artifact_verifies_within_half_precision_tolerance(llama_case, tmp_path, target):
     from graphkiln.export.pipeline import ExportOptions, export_model
     from graphkiln.export.verify import DEFAULT_ATOL, verify_artifact
     from graphkiln.runtime import Engine
 
     art = tmp_path / "fp16"
-    m = export_model(str(llama_case.checkpoint), art, ExportOptions(dtype="fp16", progress=False, max_seq_len=64))
+    m = export_model(str(llama_case.checkpoint), art, ExportOptions(dtype="fp16", progress=False, max_seq_len=64,
+                                                                    target=target))
     assert m.model.dtype == "fp16" and {s.dtype for s in m.states} == {"float16"}
+    # the onnxruntime target runs GroupQueryAttention in fp16, writing the fp16 cache in place
+    assert {s.update for s in m.states} == {"in_place" if target == "onnxruntime" else "scatter_rows"}
     assert {t.dtype for t in m.graph("decoder").inputs if t.role in ("past_key", "past_value")} == {"float16"}
     # half the weight bytes of the fp32 artifact
     fp32_bytes = (llama_case.artifact / "decoder.onnx.data").stat().st_size
