@@ -124,8 +124,9 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         data.chmod(path.stat().st_mode & 0o777)  # onnx creates it owner-only; match the graph file
     elif attention or skip_norms:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))
+    left = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     del model
-    remaining = [op for op in used_ops if not (op.name == "MoE" and rewritten) and not (op.name == "Attention" and attention)]
+    remaining = [op for op in used_ops if op.name in left]  # the custom ops no pass lowered
     return dataclasses.replace(graph, target="onnxruntime"), remaining
 
 

@@ -8,7 +8,9 @@ about one copy of the weights.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -61,6 +63,16 @@ def _open_shards(model_dir: Path) -> dict[str, Path]:
     return where
 
 
+class _Entry(NamedTuple):
+    """One tensor in a safetensors shard: absolute byte range [begin, end)."""
+
+    shard: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
 class _Reader:
     """Resolves ``Source`` descriptions against the checkpoint's shards, one tensor at a time."""
 
@@ -107,42 +119,38 @@ class _Reader:
         Linears (most of a model's bytes) would count twice in peak RSS. Plain reads into the
         destination keep them once.
         """
-        metas = [self._meta(p) if isinstance(p, str) else None for p in src.parts]
-        if any(m is None for m in metas) or len({m[1] for m in metas}) != 1 or len({m[2][1:] for m in metas}) != 1:
+        parts = [self._entry(p) if isinstance(p, str) else None for p in src.parts]
+        if any(e is None for e in parts) or len({(e.dtype, e.shape[1:]) for e in parts}) != 1:
             return torch.cat([self.read(p) for p in src.parts])  # nested sources or mixed layouts
-        _, dtype, shape, _ = metas[0]
-        out = torch.empty((sum(m[2][0] for m in metas), *shape[1:]), dtype=dtype)
-        flat = out.view(-1).view(torch.uint8) if out.numel() else out
+        out = torch.empty((sum(e.shape[0] for e in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+        flat = out.view(-1).view(torch.uint8).numpy()
         at = 0
-        for part, (path, _, _, (begin, end)) in zip(src.parts, metas):
-            with open(path, "rb") as f:
-                f.seek(begin)
-                got = f.readinto(memoryview(flat[at: at + end - begin].numpy()))
-            if got != end - begin:
-                raise GraphkilnError(f"{path.name} is truncated reading '{part}': re-download or re-save the checkpoint")
-            at += end - begin
+        for name, e in zip(src.parts, parts):
+            size = e.end - e.begin
+            with open(e.shard, "rb") as f:
+                f.seek(e.begin)
+                got = f.readinto(memoryview(flat[at: at + size]))
+            if got != size:
+                raise GraphkilnError(f"{e.shard.name} is truncated reading '{name}': re-download or re-save the checkpoint")
+            at += size
         return out
 
-    def _meta(self, name: str):
-        """(shard, torch dtype, shape, absolute (begin, end) byte range) of a tensor, from the header."""
-        import json as _json
-        import struct
-
+    def _entry(self, name: str) -> "_Entry | None":
+        """Where a tensor's bytes are, from its shard's header (None: absent or an unhandled dtype)."""
         if name not in self.where:
             return None
         shard = self.where[name]
-        header = self.headers.get(shard)
-        if header is None:
+        if shard not in self.headers:
             with open(shard, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                header = self.headers[shard] = (8 + n, _json.loads(f.read(n)))
-        base, entries = header
+                self.headers[shard] = (8 + n, json.loads(f.read(n)))
+        base, entries = self.headers[shard]
         entry = entries.get(name)
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if entry else None
         if dtype is None:
             return None
         begin, end = entry["data_offsets"]
-        return shard, dtype, tuple(entry["shape"]), (base + begin, base + end)
+        return _Entry(shard, dtype, tuple(entry["shape"]), base + begin, base + end)
 
     def close(self) -> None:
         for h in self.handles.values():
