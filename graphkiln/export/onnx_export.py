@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,13 +53,52 @@ def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[T
     return ins, outs
 
 
-def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx") -> tuple[GraphSpec, list]:
-    """Trace the decoder, attach custom-op functions, save; returns its spec and the custom ops used."""
+@dataclass(frozen=True)
+class TracedDecoder:
+    """What ``export_decoder`` made: the graph's spec, the custom ops it uses, and which layers
+    were traced (the others stamped from them; all of them when stamping was refused)."""
+
+    graph: GraphSpec
+    custom_ops: list
+    traced_layers: tuple[int, ...]
+    stamp_refused: str | None = None
+
+
+def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx",
+                   stamp: bool = True) -> TracedDecoder:
+    """Trace the decoder (one layer per kind, stamped; see ``layer_stamping``), attach custom-op
+    functions, save."""
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
+    from graphkiln.export.layer_stamping import StampRefused, stamp_layers, template_layers, template_model
 
     if opset not in IR_FOR_OPSET:
         raise GraphkilnError(f"--opset {opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
+    cfg = model.cfg
+    ins, outs = decoder_io(cfg, NP_DTYPE[model.lm_head.weight.dtype])
+    reps = template_layers(cfg) if stamp else tuple(range(cfg.num_layers))
+    refused = None
+    if len(reps) < cfg.num_layers:
+        program = _trace(template_model(model, reps), opset)
+        try:
+            stamp_layers(program.model, model, reps, ins, outs)
+        except StampRefused as exc:
+            refused, reps = str(exc), tuple(range(cfg.num_layers))
+            del program
+    if len(reps) == cfg.num_layers:
+        program = _trace(model, opset)
+    used = custom_ops.attach_functions(program.model)
+    program.model.ir_version = IR_FOR_OPSET[opset]
+    program.model.producer_name = "graphkiln"
+    save_model(program.model, out_dir / file_name)
+    del program
+    return TracedDecoder(GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used, reps, refused)
+
+
+def _trace(model: DecoderForExport, opset: int):
+    """torch.onnx.export of the decoder with the graph contract's names and dynamic axes."""
+    from graphkiln.export.custom_ops import registry as custom_ops
+
     cfg = model.cfg
     dtype = model.lm_head.weight.dtype
     ins, outs = decoder_io(cfg, NP_DTYPE[dtype])
@@ -105,9 +145,4 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
             f"ONNX export failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): "
             "report this with the checkpoint's config.json"
         ) from exc
-    used = custom_ops.attach_functions(program.model)
-    program.model.ir_version = IR_FOR_OPSET[opset]
-    program.model.producer_name = "graphkiln"
-    save_model(program.model, out_dir / file_name)
-    del program
-    return GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used
+    return program

@@ -190,10 +190,15 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
-        graph, used_ops = export_decoder(decoder, tmp, opts.opset)
+        traced = export_decoder(decoder, tmp, opts.opset)
+        graph, used_ops = traced.graph, traced.custom_ops
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
         del decoder  # before the lowering, which loads (some of) the weights again
-        _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s")
+        if traced.stamp_refused:
+            _say(opts, f"      (could not stamp layers from a template: {traced.stamp_refused}; traced them all)")
+        n_traced = len(traced.traced_layers)
+        how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
+        _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
         if target == "onnxruntime":
             t2 = time.perf_counter()
             release_exporter_references()
