@@ -63,6 +63,8 @@ class DecoderGraph:
                         if t.role in ("present_key", "present_value")}
         self._bound: tuple | None = None  # (key, IOBinding, KV OrtValues) for in-place graphs; see _binding
         self._buffers: dict[str, np.ndarray] = {}  # reused output buffers of in-place graphs, by output name
+        self._inputs: dict[str, tuple] = {}  # input name -> (array, OrtValue over it) bound in _bound
+        self._outputs_bound: set[str] = set()  # outputs bound to their _buffers entry in _bound
         # the outputs an in-place graph returns into those buffers: all but present_*
         self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
                           if t.role not in ("present_key", "present_value")]
@@ -108,13 +110,14 @@ class DecoderGraph:
     def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray], dims: dict[str, int]) -> list:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
 
-        The other outputs go into buffers reused from step to step (binding them costs less
-        than wrapping every output ORT allocates, and reused pages are already mapped); returns
-        them in spec order, with None for the present_* ones (they are the pool).
+        Inputs and the other outputs live in arrays this object owns, bound once and rewritten
+        in place while their shapes stay the same (every decode step of a batch): a step then
+        costs a few small copies instead of a fresh binding. Returns the outputs in spec order,
+        with None for the present_* ones (they are the pool).
         """
         binding = self._binding(pool, n)
         for role, name in self.names.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(given[role]))
+            self._feed(binding, name, given[role])
         for role, layer, name in self.states:
             if role == "conv_state":  # rebound each step: cheap, and never a stale copy
                 binding.bind_cpu_input(name, pool.conv[layer])
@@ -124,16 +127,34 @@ class DecoderGraph:
             buf = self._buffers.get(name)
             if buf is None or buf.shape != shape:
                 buf = self._buffers[name] = np.empty(shape, dtype)
-            binding.bind_output(name, "cpu", 0, dtype, list(shape), buf.ctypes.data)
+                self._outputs_bound.discard(name)
+            if name not in self._outputs_bound:
+                binding.bind_output(name, "cpu", 0, dtype, list(shape), buf.ctypes.data)
+                self._outputs_bound.add(name)
             outs[i] = buf
         self.session.run_with_iobinding(binding)
         return outs
+
+    def _feed(self, binding, name: str, value: np.ndarray) -> None:
+        """Bind ``value`` to input ``name`` through an array kept for it: copied into when the
+        shape is unchanged (the binding already points there), else replaced and rebound."""
+        import onnxruntime as ort
+
+        held = self._inputs.get(name)
+        if held is not None and held[0].shape == value.shape:
+            np.copyto(held[0], value)
+            return
+        buf = np.array(value, copy=True, order="C")
+        value_ort = ort.OrtValue.ortvalue_from_numpy(buf)  # wraps buf's memory
+        binding.bind_ortvalue_input(name, value_ort)
+        self._inputs[name] = (buf, value_ort)
 
     def _binding(self, pool: StatePool, n: int):
         """The IOBinding for batch n over the pool's current buffers, rebuilt when either changes.
 
         The KV OrtValues wrap the pool's arrays without copying (CPU), so a cached binding stays
         valid as long as ``reserve`` has not replaced the buffers (tracked by ``pool.generation``).
+        A new binding has no other inputs or outputs bound: ``_inputs``/``_outputs_bound`` reset.
         """
         import onnxruntime as ort
 
@@ -141,6 +162,7 @@ class DecoderGraph:
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
         binding = self.session.io_binding()
+        self._inputs, self._outputs_bound = {}, set()
         keys, values = pool.kv_views(n)
         kv_values = {}
         for role, layer, name in self.states:
