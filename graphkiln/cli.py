@@ -99,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
     e.add_argument("--opset", type=int, default=23)
-    e.add_argument("--target", default=None, choices=["portable", "onnxruntime"],
-                   help="portable (default): standard ONNX + graphkiln custom ops, TensorRT-parseable; "
-                        "onnxruntime: the CPU artifact (GroupQueryAttention writing the KV cache in place, "
-                        "fused MatMuls and norms, com.microsoft.MoE): ~15%% faster dense decode, 3-10x faster "
-                        "MoE layers; implied by --quant")
+    e.add_argument("--target", default="onnxruntime", choices=["portable", "onnxruntime"],
+                   help="onnxruntime (default): the CPU artifact (GroupQueryAttention writing the KV cache in "
+                        "place, fused norms, com.microsoft.MoE; needed by --quant); portable: standard ONNX + "
+                        "graphkiln custom ops, TensorRT-parseable, ~10%% slower dense decode and 3-10x slower "
+                        "MoE layers on onnxruntime")
     e.add_argument("--quant", default=None, choices=["int4", "int8"],
                    help="weight-only quantization of the Linear layers (RTN, block-wise, "
                         "com.microsoft.MatMulNBits; onnxruntime target only)")

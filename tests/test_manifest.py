@@ -98,6 +98,7 @@ def test_overwrite_replaces_an_artifact_atomically(llama_case, tiny, artifact_co
     assert [p.name for p in art.parent.iterdir()] == [art.name]
     m = Manifest.read(art)
     assert m.model.architecture == "LlamaForCausalLM" and m.states[0].max_seq_len == 32
+    assert m.graphs[0].target == "onnxruntime"  # the CLI's default: the CPU artifact
     eng = Engine.load(art)  # checksums of the new files
     p = llama_case.prompts((5,), salt=70)[0]
     cfg = GenerationConfig(max_new_tokens=8, do_sample=False, stop_token_ids=())

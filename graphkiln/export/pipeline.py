@@ -21,10 +21,10 @@ class ExportOptions:
     dtype: str = "fp32"
     max_seq_len: int | None = None  # default: the config's max_position_embeddings
     opset: int = 23
-    # "portable": standard ONNX + graphkiln custom ops (functions attached), parseable by
-    # TensorRT; "onnxruntime": custom ops lowered to onnxruntime contrib ops where faster.
-    # None: "onnxruntime" when quant is set, else "portable".
-    target: str | None = None
+    # "onnxruntime" (default; the embedded CPU runtime): custom ops lowered to onnxruntime
+    # contrib ops where faster. "portable": standard ONNX + graphkiln custom ops (functions
+    # attached), parseable by TensorRT. None means the default.
+    target: str | None = "onnxruntime"
     overwrite: bool = False
     progress: bool = True
     # weight-only quantization of the Linear layers (com.microsoft.MatMulNBits, so
@@ -35,7 +35,7 @@ class ExportOptions:
 
     @property
     def resolved_target(self) -> str:
-        return self.target or ("onnxruntime" if self.quant else "portable")
+        return self.target or "onnxruntime"
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
