@@ -96,3 +96,40 @@ def test_write_errors_surface_and_leave_the_model_unchanged(tmp_path, monkeypatc
     assert not (tmp_path / "m.onnx").exists()
     after = {v.name: v.const_value for g in model.graphs() for v in g.initializers.values()}
     assert all(after[n] is t for n, t in before.items())
+
+
+def test_rewrite_external_data_keeps_disk_tensors_and_moves_new_ones_out(tmp_path):
+    """The lowering's save: tensors still in the old data file are copied, in-memory ones over
+    the threshold written out, small ones left inline; every value reads back unchanged."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    arrays = {f"w{i}": rng.standard_normal((50 + i, 30)).astype(np.float32) for i in range(4)}
+    arrays["tiny"] = np.arange(5, dtype=np.float32)
+    nodes = [helper.make_node("Identity", [n], [f"{n}_out"]) for n in arrays]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info(f"{n}_out", onnx.TensorProto.FLOAT, None)
+                                               for n in arrays],
+                              [numpy_helper.from_array(a, n) for n, a in arrays.items()])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.onnx.data", size_threshold=1024)
+    model = onnx.load(str(path), load_external_data=False)
+    # a pass replaces w1 in memory and adds a new big tensor; w0, w2, w3 stay on disk
+    arrays["w1"] = rng.standard_normal((51, 30)).astype(np.float32)
+    inits = {t.name: t for t in model.graph.initializer}
+    inits["w1"].CopyFrom(numpy_helper.from_array(arrays["w1"], "w1"))
+    arrays["added"] = rng.standard_normal((64, 64)).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(arrays["added"], "added"))
+
+    external_data.rewrite_external_data(model, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    saved = onnx.load(str(path), load_external_data=False)
+    on_disk = {t.name for t in saved.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert on_disk == {"w0", "w1", "w2", "w3", "added"}
+    loaded = onnx.load(str(path))
+    got = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer}
+    assert set(got) == set(arrays)
+    for name, arr in arrays.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    assert (tmp_path / "m.onnx.data").stat().st_size == sum(a.nbytes for n, a in arrays.items() if n != "tiny")

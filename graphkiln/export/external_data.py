@@ -196,3 +196,55 @@ def _write_all(f, chunk) -> int:
     while done < len(view):
         done += f.write(view[done:])
     return done
+
+
+def rewrite_external_data(model, path: Path, size_threshold: int = 1024) -> None:
+    """Save an ``onnx.ModelProto`` whose main-graph initializers are partly in memory and partly
+    still in ``path``'s data file (``<file name>.data``), replacing both files.
+
+    The new data file is written one initializer at a time, in order: bytes still on disk are
+    copied over in blocks, in-memory tensors over ``size_threshold`` bytes are written and
+    moved out of the proto. So memory holds only what a pass changed (the lowering's new
+    tensors), never the whole model, as ``onnx.save(..., save_as_external_data=True)`` would
+    after loading every weight.
+    """
+    import os
+
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    path = Path(path)
+    data_name = f"{path.name}.data"
+    old, new = path.parent / data_name, path.parent / f"{data_name}.partial"
+    offset = 0
+    with open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
+        for t in model.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in t.external_data}
+                if info.get("location") != data_name:
+                    raise ValueError(f"initializer {t.name!r} lives in {info.get('location')!r}, not {data_name!r}")
+                length = int(info["length"])
+                src.seek(int(info.get("offset", 0)))
+                left = length
+                while left:
+                    chunk = src.read(min(left, _BLOCK))
+                    if not chunk:
+                        raise ValueError(f"initializer {t.name!r}: {data_name} is truncated")
+                    _write_all(dst, chunk)
+                    left -= len(chunk)
+            elif t.ByteSize() > size_threshold:
+                raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+                length = _write_all(dst, raw)
+                for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                    t.ClearField(field)
+                t.data_location = TensorProto.EXTERNAL
+            else:
+                continue
+            del t.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            offset += length
+    onnx.save(model, str(path))
+    os.replace(new, old)
+    old.chmod(path.stat().st_mode & 0o777)

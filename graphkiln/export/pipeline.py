@@ -81,14 +81,17 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
 
-    The graph is loaded once without its weights; the MoE pass loads them all (it rewrites
-    expert tensors), the quantizer reads each weight it quantizes from the data file, and
-    the rest are loaded only to be written into the new data file.
+    The graph is loaded once without its weights; the MoE pass loads the expert gate_up
+    tensors it interleaves, the quantizer reads each weight it quantizes from the data file,
+    and a new data file is streamed from the old one (``rewrite_external_data``) when
+    weights changed.
     """
     import dataclasses
 
     import onnx
-    from onnx.external_data_helper import load_external_data_for_model
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    from graphkiln.export.external_data import rewrite_external_data
 
     from graphkiln.export.custom_ops.spec import DOMAIN
     from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
@@ -98,9 +101,15 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
 
     path = out_dir / graph.file
     model = onnx.load(str(path), load_external_data=False)
-    has_moe = any(n.domain == DOMAIN and n.op_type == "MoE" for n in model.graph.node)
-    if has_moe:
-        load_external_data_for_model(model, str(out_dir))
+    moe_nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MoE"]
+    has_moe = bool(moe_nodes)
+    if has_moe:  # the MoE pass rewrites gate_up and checks expert biases: load just those
+        wanted = {n.input[i] for n in moe_nodes for i in (2, 4) if len(n.input) > i}
+        for tensor in model.graph.initializer:
+            if tensor.name in wanted and uses_external_data(tensor):
+                load_external_data_for_tensor(tensor, str(out_dir))
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
     graph, attention = lower_attention_for_onnxruntime(model, graph)
     packed = pack_gqa_qkv(model)
     skip_norms = fuse_skip_rmsnorm(model)
@@ -114,14 +123,8 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         scheme = "symmetric" if quant_symmetric else "asymmetric"
         say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
-    if rewritten or quantized:  # weights changed: write a new data file
-        load_external_data_for_model(model, str(out_dir))  # what is left of the old data file
-        data = path.with_name(path.name + ".data")
-        path.unlink()
-        data.unlink(missing_ok=True)
-        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=data.name, size_threshold=1024)
-        data.chmod(path.stat().st_mode & 0o777)  # onnx creates it owner-only; match the graph file
+    if rewritten or quantized:  # weights changed: a new data file, streamed from the old one
+        rewrite_external_data(model, path)
     elif attention or skip_norms:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))
     left = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
