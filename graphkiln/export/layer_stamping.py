@@ -69,8 +69,7 @@ def template_model(decoder, reps: tuple[int, ...]):
     """The decoder restricted to layers ``reps`` (in that order), sharing all weights."""
     cfg = decoder.cfg
     tpl = _shallow(decoder)
-    tpl.cfg = dataclasses.replace(cfg, num_layers=len(reps), layers=tuple(cfg.layers[r] for r in reps),
-                                  layer_windows=())
+    tpl.cfg = dataclasses.replace(cfg, num_layers=len(reps), layers=tuple(cfg.layers[r] for r in reps))
     body = _shallow(decoder.model)
     body.layers = nn.ModuleList(decoder.model.layers[r] for r in reps)
     tpl.model = body
@@ -118,12 +117,12 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
     layers = [_Layer([]) for _ in reps]
     state_owner: dict = {}  # template state input value -> template layer
     for k in range(len(reps)):
-        for name in _state_names(ins, reps[k]):
-            v = t_ins[name.rsplit(".", 1)[0] + f".{k}"]
-            layers[k].states_in.append(v)
-            state_owner[v] = k
-        for name in _state_names(outs, reps[k]):
-            layers[k].states_out.append(t_outs[name.rsplit(".", 1)[0] + f".{k}"])
+        for t in ins:
+            if t.layer == reps[k]:
+                v = t_ins[_of_layer(t.name, k)]
+                layers[k].states_in.append(v)
+                state_owner[v] = k
+        layers[k].states_out = [t_outs[_of_layer(t.name, k)] for t in outs if t.layer == reps[k]]
 
     # Per-layer initializers: named parameters and anonymous constants folded from one.
     params_t = [dict(layer.named_parameters()) for layer in layers_t]
@@ -233,7 +232,7 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
     state_inputs: dict[str, object] = {}
     for k, layer in enumerate(layers):
         for v in layer.states_in:
-            v.name = v.name.rsplit(".", 1)[0] + f".{reps[k]}"
+            v.name = _of_layer(v.name, reps[k])
             state_inputs[v.name] = v
     by_name = {v.name: v for v in graph.inputs if v not in state_owner}
     new_inputs = []
@@ -241,8 +240,7 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         v = by_name.get(spec.name) if spec.layer is None else state_inputs.get(spec.name)
         if v is None and spec.layer is not None:
             k = spec_of[cfg.layers[spec.layer]]
-            role = spec.name.rsplit(".", 1)[0]
-            tv = next(t for t in layers[k].states_in if t.name.rsplit(".", 1)[0] == role)
+            tv = next(t for t in layers[k].states_in if _of_layer(t.name, spec.layer) == spec.name)
             v = ir.Value(name=spec.name, type=tv.type, shape=tv.shape.copy() if tv.shape is not None else None)
         if v is None:
             raise StampRefused(f"the template has no input {spec.name}")
@@ -257,11 +255,11 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         layer = layers[k]
         vmap: dict = {layer.residual_in: current}
         for v in layer.states_in:
-            vmap[v] = inputs_by_name[v.name.rsplit(".", 1)[0] + f".{i}"]
+            vmap[v] = inputs_by_name[_of_layer(v.name, i)]
         for v, (wk, pname, transform) in weight_of.items():
             if wk == k:
                 vmap[v] = _weight_value(ir, graph, module, i, pname, transform)
-        state_out_names = {v: v.name.rsplit(".", 1)[0] + f".{i}" for v in layer.states_out}
+        state_out_names = {v: _of_layer(v.name, i) for v in layer.states_out}
         copies += [_copy_node(ir, node, vmap, f"layers.{i}.", state_out_names) for node in layer.nodes]
         for v, name in state_out_names.items():
             outputs_by_name[name] = vmap[v]
@@ -286,8 +284,9 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         seen.add(v.name)
 
 
-def _state_names(specs: list[TensorSpec], layer: int) -> list[str]:
-    return [t.name for t in specs if t.layer == layer]
+def _of_layer(name: str, layer: int) -> str:
+    """A per-layer tensor name (``past_key.3``) with another layer index."""
+    return f"{name.rsplit('.', 1)[0]}.{layer}"
 
 
 def _match_folded(value, params_t: list[dict]):
