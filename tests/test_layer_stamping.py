@@ -144,3 +144,34 @@ def test_a_refused_template_falls_back_to_tracing_every_layer(checkpoints, tmp_p
     assert result.traced_layers == (0, 1, 2, 3)
     assert [t.name for t in result.graph.inputs][-2:] == ["past_key.3", "past_value.3"]
     assert (tmp_path / "decoder.onnx").exists()
+
+
+def test_byte_equal_weights_in_the_template_keep_their_own_layers(tmp_path):
+    """The exporter merges byte-equal small initializers (onnx_ir's deduplication). Where two
+    parameters of the template layer are equal (here layer 0's two norms, and the final norm),
+    the template's nodes read one name for both; stamping must still give every layer its own
+    tensors, whose values differ in the other layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from graphkiln.export.pipeline import ExportOptions, export_model
+    from graphkiln.runtime import Engine, GenerationConfig
+
+    ckpt = build_checkpoint(STAMP_SPECS["llama_x4"], tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = model.model.layers[0]
+        first.post_attention_layernorm.weight.copy_(first.input_layernorm.weight)
+        model.model.norm.weight.copy_(first.input_layernorm.weight)
+    model.save_pretrained(ckpt)
+
+    from graphkiln.export.onnx_export import export_decoder
+
+    (tmp_path / "graph").mkdir()
+    assert export_decoder(_load(ckpt), tmp_path / "graph", 23).stamp_refused is None
+    export_model(str(ckpt), tmp_path / "art", ExportOptions(progress=False, max_seq_len=64))
+    engine = Engine.load(tmp_path / "art")
+    prompt = np.random.default_rng(0).integers(3, engine.manifest.model.vocab_size, 9).tolist()
+    assert max_abs(engine.prompt_logits([prompt])[0], forward_logits(model, prompt)) <= ATOL
+    result = engine.generate([prompt], GenerationConfig(max_new_tokens=8, do_sample=False, stop_token_ids=()))[0]
+    assert result.token_ids == greedy(model, prompt, 8)[0]

@@ -27,6 +27,7 @@ layer instead; the result is the same graph either way, only slower to make.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import re
@@ -42,6 +43,8 @@ from graphkiln.manifest import TensorSpec
 _SCOPES = "pkg.torch.onnx.name_scopes"
 _LAYER_SCOPE = re.compile(r"'model\.layers\.(\d+)'")
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Above onnx_ir's DeduplicateInitializersPass size limit (1024 elements) with room to spare.
+_MERGE_LIMIT = 8192
 
 
 class StampRefused(Exception):
@@ -110,6 +113,7 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         mine = [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
         if mine != [(n, tuple(p.shape)) for n, p in layers_t[k].named_parameters()]:
             raise StampRefused(f"layer {i} has other parameters than layer {reps[k]} of the same kind")
+    _undo_deduplication(ir, graph, decoder, reps)
 
     # Template inputs/outputs of each template layer, by the names the template was traced with.
     t_ins = {v.name: v for v in graph.inputs}
@@ -282,6 +286,46 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         if v.name in seen:
             raise StampRefused(f"two values are named {v.name}")
         seen.add(v.name)
+
+
+def _undo_deduplication(ir, graph, decoder, reps: tuple[int, ...]) -> None:
+    """Give each reader of a merged initializer the parameter its module owns.
+
+    The exporter's optimizer merges byte-equal small initializers, so a template layer whose
+    two norms happen to be equal (untrained checkpoints: all ones) reads one name for both;
+    stamped as is, every layer would get that one parameter's tensor. Each reader's module
+    scope names the parameter it meant; a reader whose scope does not settle it refuses."""
+    params: dict[str, torch.Tensor] = {}  # initializer name -> tensor, in the template's naming
+    for n, p in [*decoder.named_parameters(), *decoder.named_buffers()]:
+        if not n.startswith("model.layers."):
+            params[n] = p
+    for k, r in enumerate(reps):
+        for n, p in decoder.model.layers[r].named_parameters():
+            params[f"model.layers.{k}.{n}"] = p
+    # The deduplication pass only merges small tensors; hash those.
+    equal: dict[tuple, list[str]] = {}
+    for n, p in params.items():
+        if p.numel() <= _MERGE_LIMIT:
+            arr = _numpy_view(p)
+            equal.setdefault((str(arr.dtype), arr.shape, arr.tobytes()), []).append(n)
+    aliases = {n: names for names in equal.values() if len(names) > 1 for n in names}
+    for v in list(graph.initializers.values()):
+        if v.name not in aliases:
+            continue
+        for node, index in list(v.uses()):
+            scope = node.metadata_props.get(_SCOPES)
+            modules = set(ast.literal_eval(scope)) if scope is not None else set()
+            meant = [n for n in aliases[v.name] if n.rsplit(".", 1)[0] in modules]
+            if len(meant) != 1:
+                raise StampRefused(f"node {node.name} reads {v.name}, equal to {len(aliases[v.name]) - 1} other "
+                                   "parameters, and its scope does not say which it meant")
+            if meant[0] == v.name:
+                continue
+            own = graph.initializers.get(meant[0])
+            if own is None:
+                own = ir.Value(name=meant[0], type=v.type, shape=v.shape.copy(), const_value=v.const_value)
+                graph.register_initializer(own)
+            node.replace_input_with(index, own)
 
 
 def _of_layer(name: str, layer: int) -> str:
