@@ -447,3 +447,40 @@ def test_cli_run_greedy_flag_overrides_sampling_defaults(sampling_default_case, 
         assert main(base + ["--seed", seed]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] != outs[1]  # the artifact's default is sampling
+
+
+@pytest.mark.parametrize("style", ["byte_level", "metaspace"])
+def test_incremental_detokenizer_pieces_join_to_the_full_decode(tmp_path, style):
+    """Streaming decodes only the newest tokens with a little left context; joined, the pieces
+    must equal decoding everything at once, for byte-level BPE (multi-byte characters split
+    across tokens) and for SentencePiece-style tokenizers (leading space stripped)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    corpus = ["Ünïcödé tëxt, 漢字かな交じり文, emoji 🚀🔥 and plain words.",
+              "The quick brown fox jumps over the lazy dog — twice: naïve café déjà vu.",
+              "数字 12345 and ½ ¾ ∑ ∫ √ symbols; 한국어 텍스트도 있습니다."] * 4
+    tok = HFTokenizer(models.BPE(unk_token=None if style == "byte_level" else "<unk>"))
+    if style == "byte_level":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      special_tokens=["<eos>"])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"])
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer(tmp_path / "tokenizer.json")
+
+    rng = np.random.default_rng(0)
+    sequences = [ours.encode(text) for text in corpus[:3]]
+    sequences += [rng.integers(0, tok.get_vocab_size(), 60).tolist() for _ in range(20)]
+    for ids in sequences:
+        detok = IncrementalDetokenizer(ours)
+        pieces = [detok.step(ids[:n], final=n == len(ids)) for n in range(1, len(ids) + 1)]
+        assert "".join(pieces) == ours.decode(ids)
+        assert all("\ufffd" not in p[-1:] for p in pieces[:-1]), "a piece ended in a partial character"

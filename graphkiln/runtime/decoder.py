@@ -68,6 +68,11 @@ class DecoderGraph:
         # the outputs an in-place graph returns into those buffers: all but present_*
         self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
                           if t.role not in ("present_key", "present_value")]
+        # Per-step loops cover only what needs work (a decode step's Python runs with cold caches).
+        self._conv_inputs = [(layer, name) for role, layer, name in self.states if role == "conv_state"]
+        self._logits_at = next(i for i, t in enumerate(spec.outputs) if t.role == "logits")
+        self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
+                            if t.role in ("new_key", "new_value", "new_conv_state")]
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -90,22 +95,15 @@ class DecoderGraph:
             for role, layer, name in self.states:
                 feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
             outs = self.session.run(self.outputs, feeds)
-        starts = position_ids[:, 0]
         new: dict[int, dict[str, np.ndarray]] = {}
-        logits = None
-        for (role, layer), value in zip(self.new, outs):
-            if value is None:  # present_*: the pool itself
-                continue
-            if role == "logits":
-                logits = value
-            else:
-                new.setdefault(layer, {})[role] = value
+        for i, role, layer in self._state_rows:
+            new.setdefault(layer, {})[role] = outs[i]
         for layer, rows in new.items():
             if "new_conv_state" in rows:
                 pool.write_conv(layer, rows["new_conv_state"], slot_idx)
             else:
-                pool.write_kv(layer, rows["new_key"], rows["new_value"], starts, lengths)
-        return logits
+                pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths)
+        return outs[self._logits_at]
 
     def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray], dims: dict[str, int]) -> list:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
@@ -118,9 +116,8 @@ class DecoderGraph:
         binding = self._binding(pool, n)
         for role, name in self.names.items():
             self._feed(binding, name, given[role])
-        for role, layer, name in self.states:
-            if role == "conv_state":  # rebound each step: cheap, and never a stale copy
-                binding.bind_cpu_input(name, pool.conv[layer])
+        for layer, name in self._conv_inputs:  # rebound each step: cheap, and never a stale copy
+            binding.bind_cpu_input(name, pool.conv[layer])
         outs: list = [None] * len(self.new)
         for i, name, spec_shape, dtype in self._returned:
             shape = tuple(dims[d] if isinstance(d, str) else d for d in spec_shape)

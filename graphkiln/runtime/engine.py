@@ -15,7 +15,7 @@ from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
 from graphkiln.runtime.sampling import SamplingParams, log_softmax, select_token, top_logprobs
 from graphkiln.runtime.state import StatePool
-from graphkiln.runtime.tokenizer import Tokenizer, stable_text
+from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 KNOWN_STATE_KINDS = {"kv", "conv"}
 KNOWN_STATE_UPDATES = {"scatter_rows", "in_place", "slot_rows"}  # see graphkiln.manifest
@@ -32,7 +32,8 @@ class _Request:
     budget: int
     rng: np.random.Generator
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # decoded so far; complete characters only until the request finishes
+    detokenizer: IncrementalDetokenizer | None = None
     emitted: int = 0  # characters of text already streamed
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -188,7 +189,8 @@ class Engine:
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt)
             budget = min(cfg.max_new_tokens, self.max_seq_len - len(ids))
-            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i))))
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i)), detokenizer=detok))
         active = [r for r in reqs if r.budget > 0]
         for r in reqs:
             if r.budget == 0:
@@ -250,13 +252,13 @@ class Engine:
         if self.tokenizer is None:
             return TokenEvent(r.index, token, "", lp, r.finish_reason)
 
-        text = self.tokenizer.decode(r.tokens)
+        text = r.text + r.detokenizer.step(r.tokens, final=r.finish_reason is not None)
         for s in cfg.stop_strings:
             at = text.find(s, max(0, len(r.text) - len(s)))
             if at >= 0:
                 text, r.finish_reason = text[:at], "stop"
         r.text = text
-        visible = text if r.finish_reason else stable_text(text)
+        visible = text
         if not r.finish_reason:
             visible = visible[: len(visible) - _pending_stop(visible, cfg.stop_strings)]
         new_text = visible[r.emitted :] if len(visible) > r.emitted else ""

@@ -23,6 +23,31 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def stable_text(text: str) -> str:
-    """Text safe to emit while streaming: drop a trailing partial UTF-8 character."""
-    return text[:-1] if text.endswith("\ufffd") else text
+class IncrementalDetokenizer:
+    """Turns one request's growing token list into text a piece at a time.
+
+    Decoding every token again at each step costs O(n) per token. Only the tokens since the
+    last piece are decoded, together with the piece's own tokens as left context (decoders
+    that strip a leading space from the first token, or merge bytes, then treat the new
+    tokens as they would in the full sequence); the new text is the difference. A piece that
+    ends in an incomplete UTF-8 character waits for the next token, unless ``final``.
+    Invariant: the pieces joined equal ``decode(ids)`` whenever a piece boundary falls on a
+    character boundary, which waiting for complete characters ensures.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._prefix = 0  # first token of the left context
+        self._read = 0  # first token not yet turned into text
+        self._prefix_text = ""
+
+    def step(self, ids: list[int], final: bool = False) -> str:
+        text = self._tok.decode(ids[self._prefix:])
+        if len(text) <= len(self._prefix_text) and not final:
+            return ""
+        if text.endswith("\ufffd") and not final:
+            return ""
+        piece = text[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(ids)
+        self._prefix_text = self._tok.decode(ids[self._prefix:self._read])
+        return piece
