@@ -52,7 +52,11 @@ embeddings, rope caches -- counted as one row) and the GB/s that implies, so eac
 from the bandwidth limit shows.
 
     .venv/bin/python scripts/bench_peers.py [--model llama|qwen3|all] [--threads 2] [--repeats 3]
-        [--workdir DIR] [--json out.json] [--skip-optimum] [--venv-dir .bench-venvs]
+        [--workdir DIR] [--json out.json] [--skip-optimum] [--venv-dir .bench-venvs] [--paired 8]
+
+--paired N adds N rounds in which graphkiln fp32/int4 and onnxruntime-genai fp32/int4 run back
+to back (fresh processes, order alternating) and reports the median of the per-round ratios:
+on a VM whose speed drifts by 10-25% within minutes, that is the figure to compare.
 
 --workdir keeps checkpoints and artifacts (and each export's timing in <row>.export.json) so a
 later run reuses them; without it everything goes to a temporary directory removed at the end.
@@ -113,6 +117,8 @@ ROWS = [
     ("transformers fp32", "transformers", None, "fp32"),
 ]
 REFERENCE = "transformers fp32"
+# --paired: graphkiln rows measured back to back with the peer row of the same precision
+PAIRS = [("graphkiln fp32", "onnxruntime-genai fp32"), ("graphkiln int4", "onnxruntime-genai int4")]
 
 
 def log(msg: str) -> None:
@@ -634,6 +640,8 @@ def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, qu
                     row.update(status="failed", reason=f"{type(e).__name__}: {e}")
                     log(f"{model} / {row['row']}: FAILED: {row['reason']}")
             bw_samples.append(measure_bandwidth(args.threads))  # between rounds: a chance at a quiet moment
+        if args.paired:
+            run_pairs(model, live, {PROMPT_LENS[0]: prompts[PROMPT_LENS[0]]}, args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for row, *_ in live:
@@ -659,6 +667,36 @@ def run_model(model: str, args, work: Path, pythons: dict, venv_errors: dict, qu
             r["agree"] = sum(x == y for x, y in zip(a, b))
             r["first_divergence"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     return {"model": model, "checkpoint_bytes": _dir_bytes(ckpt), "rows": rows}
+
+
+def run_pairs(model: str, live: list, prompts: dict, args, tmp: Path) -> None:
+    """--paired N: N more rounds of each PAIRS entry alone, graphkiln and the peer in fresh
+    processes back to back (order alternating), stored as per-round ratios on the graphkiln
+    row. On a machine whose speed drifts within minutes, the ratio of two runs seconds apart
+    varies far less than the ratio of medians taken across a whole round of rows."""
+    by_name = {row["row"]: (row, runner, py, path) for row, runner, py, path in live}
+    for ours, peer in PAIRS:
+        if ours not in by_name or peer not in by_name:
+            continue
+        pair = [by_name[ours], by_name[peer]]
+        decode, prefill = [], []
+        for k in range(args.paired):
+            got = {}
+            for row, runner, py, path in (pair if k % 2 == 0 else pair[::-1]):
+                log(f"{model} / {row['row']}: paired round {k + 1}/{args.paired}")
+                try:
+                    got[row["row"]] = bench_row(runner, py, path, prompts, args, tmp,
+                                                f"{model}-{row['row'].replace(' ', '-')}-pair-{k}")
+                except Exception as e:
+                    log(f"{model} / {row['row']}: paired round FAILED: {type(e).__name__}: {e}")
+            if len(got) == 2:
+                a, b = got[ours], got[peer]
+                decode.append(a["decode_tok_s"] / b["decode_tok_s"])
+                n = str(min(prompts))
+                prefill.append(a["prefill_ms"][n] / b["prefill_ms"][n])
+        if decode:
+            by_name[ours][0]["paired"] = {"vs": peer, "decode_ratios": decode, "prefill_ratios": prefill,
+                                          "prefill_tokens": min(prompts)}
 
 
 def _gb(x) -> str:
@@ -724,6 +762,16 @@ def report(results: list[dict], machine: dict, args) -> None:
           "fp32 rows should match all tokens.")
     print("Weights per token: every initializer, except tables only indexed by Gather (embeddings, rope "
           "caches), counted as one row; KV-cache reads (~2-4 MB/token here) not included.")
+    paired = [(res["model"], r) for res in results for r in res["rows"] if r.get("paired")]
+    if paired:
+        print(f"\nPaired rounds (--paired {args.paired}): each round runs the two rows back to back in fresh "
+              "processes; median of the per-round ratios (range).\n")
+        print("| model | graphkiln row | vs | decode tok/s ratio | prefill time ratio |")
+        print("|---|---|---|---|---|")
+        for model, r in paired:
+            d, f = r["paired"]["decode_ratios"], r["paired"]["prefill_ratios"]
+            print(f"| {model} | {r['row']} | {r['paired']['vs']} | {statistics.median(d):.2f}x "
+                  f"({min(d):.2f}–{max(d):.2f}, n={len(d)}) | {statistics.median(f):.2f}x ({min(f):.2f}–{max(f):.2f}) |")
     skipped = [(res["model"], r) for res in results for r in res["rows"] if r["status"] != "ok"]
     if skipped:
         print()
@@ -744,6 +792,8 @@ def main() -> int:
                                                   "directory, removed at the end)")
     p.add_argument("--venv-dir", default=str(REPO / ".bench-venvs"), help="where the peers' virtual environments live")
     p.add_argument("--skip-optimum", action="store_true", help="no optimum-onnx row (and no optimum environment)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="then N rounds of graphkiln vs onnxruntime-genai (fp32, int4) back to back; per-round ratios")
     p.add_argument("--row-timeout", type=float, default=1800, help="seconds before one generation benchmark is given up")
     p.add_argument("--json", default=None, help="write every figure (and per-run timings, versions) here")
     args = p.parse_args()
