@@ -147,3 +147,29 @@ def test_onnxruntime_target_lowers_moe_and_keeps_parity(tiny, tmp_path):
         tokens, logits = greedy(case.reference, p, 24)
         assert res.token_ids == tokens
         assert max_abs(res.logits, logits) <= ATOL
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+@pytest.mark.parametrize("name", ["llama_gqa_bias", "lfm2"])
+def test_reserve_reuses_memory_whose_old_rows_are_never_read(tiny, name, target):
+    """A later, smaller generate call keeps the pool's memory (no fresh pages to fault in) and
+    its results are unaffected by the earlier call's rows still lying in it; a larger one
+    grows it."""
+    case = tiny(name, target)
+    engine = Engine.load(case.artifact)
+    first = case.prompts((14, 9, 11), salt=5)
+    for p, got in zip(first, engine.generate(first, _greedy(16))):
+        assert got.token_ids == greedy(case.reference, p, 16)[0]
+    pool = engine.pool
+    address = {k: a.__array_interface__["data"][0] for k, a in pool.keys.items()}
+    assert address, "this case has attention layers"
+
+    second = case.prompts((6, 4), salt=6)
+    for p, got in zip(second, engine.generate(second, _greedy(8))):
+        assert got.token_ids == greedy(case.reference, p, 8)[0]
+    assert (pool.slots, pool.capacity) == (2, 14)
+    assert {k: a.__array_interface__["data"][0] for k, a in pool.keys.items()} == address
+
+    pool.reserve(4, 64)
+    assert all(a.__array_interface__["data"][0] != address[k] for k, a in pool.keys.items())
+    assert all(a.shape[0] == 4 and a.shape[2] == 64 and a.flags["C_CONTIGUOUS"] for a in pool.keys.values())

@@ -7,7 +7,9 @@ Layouts (match the manifest's ``StateSpec``), all C-contiguous in the artifact's
 
 Lifecycle. The engine owns one ``StatePool`` for its life. ``reserve`` sizes it for a
 generation session (only while no slot is live, so buffers never move under a running
-request). A request ``claim``s a slot when it starts (its rows are zeroed) and ``release``s
+request); the buffers are views over per-layer backing memory that the pool keeps and only
+grows, so a later session of the same or a smaller size touches no new pages (fresh pages
+cost a page fault each on first write: ~5% of decode speed at 128 tokens). A request ``claim``s a slot when it starts (its rows are zeroed) and ``release``s
 it when it finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
 release moves the last live slot's rows into the hole and reports the move, so the live
 batch is always the prefix ``[:live]`` of every buffer — a contiguous view at a fixed
@@ -32,6 +34,7 @@ class StatePool:
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
+        self._backing: dict[tuple[str, int], np.ndarray] = {}  # flat memory under the views above
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -48,11 +51,21 @@ class StatePool:
             if spec.kind == "kv":
                 shape = (slots, spec.num_kv_heads, capacity, spec.head_dim)
                 for layer in spec.layers:
-                    self.keys[layer] = np.zeros(shape, self.dtype)
-                    self.values[layer] = np.zeros(shape, self.dtype)
+                    self.keys[layer] = self._carve(("key", layer), shape)
+                    self.values[layer] = self._carve(("value", layer), shape)
             elif spec.kind == "conv":
                 for layer in spec.layers:
-                    self.conv[layer] = np.zeros((slots, spec.channels, spec.width), self.dtype)
+                    self.conv[layer] = self._carve(("conv", layer), (slots, spec.channels, spec.width))
+
+    def _carve(self, key: tuple[str, int], shape: tuple[int, ...]) -> np.ndarray:
+        """A C-contiguous array of ``shape`` over the front of ``key``'s backing memory, which
+        is replaced by a larger zeroed one when too small. Reused memory holds earlier rows:
+        finite values that the graphs never read (see ``claim``)."""
+        size = int(np.prod(shape))
+        buf = self._backing.get(key)
+        if buf is None or buf.size < size:
+            buf = self._backing[key] = np.zeros(size, self.dtype)
+        return buf[:size].reshape(shape)
 
     @property
     def nbytes(self) -> int:
