@@ -317,7 +317,7 @@ def _mode_gen(argv: list[str]) -> int:
     load_s = time.perf_counter() - t
 
     short = prompts[min(prompts)]
-    run(short, 4)  # warm-up: first-run allocations, kernel selection
+    run(short, new)  # warm-up at the measured size: first-run allocations, kernel selection, buffers
     run(prompts[max(prompts)], 1)
     prefill = {n: [] for n in prompts}
     decode, tokens = [], None
