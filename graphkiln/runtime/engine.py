@@ -258,9 +258,7 @@ class Engine:
             if at >= 0:
                 text, r.finish_reason = text[:at], "stop"
         r.text = text
-        visible = text
-        if not r.finish_reason:
-            visible = visible[: len(visible) - _pending_stop(visible, cfg.stop_strings)]
+        visible = text if r.finish_reason else text[: len(text) - _pending_stop(text, cfg.stop_strings)]
         new_text = visible[r.emitted :] if len(visible) > r.emitted else ""
         r.emitted = max(r.emitted, len(visible))
         return TokenEvent(r.index, token, new_text, lp, r.finish_reason)

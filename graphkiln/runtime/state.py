@@ -9,8 +9,10 @@ Lifecycle. The engine owns one ``StatePool`` for its life. ``reserve`` sizes it 
 generation session (only while no slot is live, so buffers never move under a running
 request); the buffers are views over per-layer backing memory that the pool keeps and only
 grows, so a later session of the same or a smaller size touches no new pages (fresh pages
-cost a page fault each on first write: ~5% of decode speed at 128 tokens). A request ``claim``s a slot when it starts (its rows are zeroed) and ``release``s
-it when it finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
+cost a page fault each on first write: ~5% of decode speed at 128 tokens). A request
+``claim``s a slot when it starts (its conv rows are zeroed; KV rows are written before they
+are read) and ``release``s it when it
+finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
 release moves the last live slot's rows into the hole and reports the move, so the live
 batch is always the prefix ``[:live]`` of every buffer — a contiguous view at a fixed
 address, passed to the graph without copying, which is also what CUDA-graph replay needs.
