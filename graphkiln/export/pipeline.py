@@ -23,8 +23,8 @@ class ExportOptions:
     opset: int = 23
     # "onnxruntime" (default; the embedded CPU runtime): custom ops lowered to onnxruntime
     # contrib ops where faster. "portable": standard ONNX + graphkiln custom ops (functions
-    # attached), parseable by TensorRT. None means the default.
-    target: str | None = "onnxruntime"
+    # attached), parseable by TensorRT.
+    target: str = "onnxruntime"
     overwrite: bool = False
     progress: bool = True
     # weight-only quantization of the Linear layers (com.microsoft.MatMulNBits, so
@@ -32,10 +32,6 @@ class ExportOptions:
     quant: str | None = None
     quant_block_size: int = 32
     quant_symmetric: bool = True  # False: asymmetric blocks with zero points (see lowering.quantize)
-
-    @property
-    def resolved_target(self) -> str:
-        return self.target or "onnxruntime"
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -150,7 +146,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
-    target = opts.resolved_target
+    target = opts.target
     if target not in TARGETS:
         raise GraphkilnError(f"--target {target} is not supported: choose one of {', '.join(TARGETS)}")
     if opts.quant is not None:
