@@ -89,8 +89,16 @@ def _demo(args) -> int:
     return run_demo(workdir=Path(args.workdir) if args.workdir else None, keep=args.keep)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with graphkiln's error contract: one ``error:`` line and exit status 2
+    (argparse's own prints a usage block first). Subcommand parsers inherit this class."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphkiln", description=__doc__.splitlines()[0])
+    p = _Parser(prog="graphkiln", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("export", help="export a checkpoint directory or hub id to an artifact directory")
@@ -154,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed as one line
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.fn(args)
     except GraphkilnError as exc:
