@@ -6,6 +6,7 @@ Every user error surfaces as one ``error: ...`` line on stderr and exit status 2
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def _inspect(args) -> int:
     from graphkiln.summary import describe
     from graphkiln.manifest import Manifest
 
-    manifest = Manifest.read(Path(args.artifact))
-    print(manifest.to_json() if args.json else describe(Path(args.artifact), manifest))
+    root = Path(args.artifact)
+    manifest, digest = Manifest.read_with_digest(root)  # validated, paths included, before anything is described
+    print(manifest.to_json() if args.json else describe(root, manifest, digest))
     return 0
 
 
@@ -38,13 +40,57 @@ def _parse_ids(text: str) -> list[int]:
         raise GraphkilnError(f"--prompt-ids '{text}' is not a list of integers: write e.g. '1,2,3'") from None
 
 
+def _int_at_least(low: int):
+    """argparse type: an integer >= low (a negative --seed would crash numpy, --threads 0 would
+    silently mean 'every core')."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = False):
+    """argparse type: a finite float in [low, high] ((low, high] with low_open); NaN and inf
+    are refused (a NaN --temperature silently ran greedy)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+            upper = f" and <= {high:g}" if high != math.inf else ""
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}{upper}, got {text}")
+        return value
+    return parse
+
+
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("needs a non-empty string (an empty stop string would stop after the first token)")
+    return text
+
+
+def _sha256_hex(text: str) -> str:
+    from graphkiln.artifact import is_sha256
+
+    if not is_sha256(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a sha256 (64 hex digits): copy the digest line of 'graphkiln inspect'")
+    return text.lower()
+
+
 def _run(args) -> int:
     from graphkiln.runtime import Engine, GenerationConfig
 
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
-    engine = Engine.load(args.artifact, threads=args.threads)
+    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest)
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
     sampling = (args.temperature is not None and args.temperature > 0) or (
         args.temperature is None and (args.top_k is not None or args.top_p is not None))
@@ -116,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-only quantization of the Linear layers (RTN, block-wise, "
                         "com.microsoft.MatMulNBits; onnxruntime target only)")
     e.add_argument("--quant-block-size", type=int, default=32, metavar="N",
-                   help="weights per quantization block along the input features (power of two >= 16, default 32)")
+                   help="weights per quantization block along the input features: 16, 32, 64, 128 or 256 "
+                        "(what onnxruntime's MatMulNBits accepts; default 32)")
     e.add_argument("--quant-scheme", default="sym", choices=["sym", "asym"],
                    help="sym (default): scale per block, no zero points (faster); asym: scale and zero point "
                         "per block (tighter fit for skewed blocks)")
@@ -132,48 +179,62 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("artifact")
     r.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     r.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. '1,2,3' (repeatable)")
-    r.add_argument("--max-new-tokens", type=int, default=None)
-    r.add_argument("--temperature", type=float, default=None, help="> 0 samples; default greedy")
-    r.add_argument("--top-k", type=int, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-new-tokens", type=_int_at_least(0), default=None)
+    r.add_argument("--temperature", type=_number(0.0), default=None, help="> 0 samples; default greedy")
+    r.add_argument("--top-k", type=_int_at_least(0), default=None)
+    r.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=None)
+    r.add_argument("--seed", type=_int_at_least(0), default=0)
     r.add_argument("--greedy", action="store_true", help="force greedy even if the artifact defaults to sampling")
-    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop on the artifact's EOS tokens")
-    r.add_argument("--logprobs", type=int, default=None, metavar="N", help="print log-probabilities with N alternatives")
+    r.add_argument("--logprobs", type=_int_at_least(0), default=None, metavar="N", help="print log-probabilities with N alternatives")
     r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     r.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
-    r.add_argument("--threads", type=int, default=None)
+    r.add_argument("--threads", type=_int_at_least(1), default=None)
+    r.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
+                   help="refuse the artifact unless its manifest has this sha256 (the digest 'graphkiln inspect' "
+                        "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
     v.add_argument("artifact")
     v.add_argument("--reference", required=True, help="the checkpoint the artifact was exported from")
-    v.add_argument("--steps", type=int, default=32)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--atol", type=float, default=None, help="default: 1e-4 for fp32 artifacts")
+    v.add_argument("--steps", type=_int_at_least(1), default=32)
+    v.add_argument("--seed", type=_int_at_least(0), default=0)
+    v.add_argument("--atol", type=_number(0.0), default=None, help="default: 1e-4 for fp32 artifacts")
     v.set_defaults(fn=_verify)
 
     d = sub.add_parser("demo", help="build, export, verify and run a small random Llama (no network)")
-    d.add_argument("--workdir", default=None, help="where to put the demo files (default: a temporary directory)")
+    d.add_argument("--workdir", default=None, metavar="DIR",
+                   help="put the demo's files in a new DIR/graphkiln-demo-XXXXXXXX and keep them; nothing else "
+                        "in DIR is touched (default: a temporary directory, removed unless --keep)")
     d.add_argument("--keep", action="store_true", help="keep the demo files")
     d.set_defaults(fn=_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error already printed as one line
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return args.fn(args)
-    except GraphkilnError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    from graphkiln.publish import Interrupted, termination_signals_interrupt
+
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup that removes a half-written
+    # artifact runs for them too; the previous handlers are back once main returns.
+    with termination_signals_interrupt():
+        try:
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit as exc:  # --help, or a usage error already printed as one line
+                return exc.code if isinstance(exc.code, int) else 2
+            try:
+                return args.fn(args)
+            except GraphkilnError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+        except Interrupted as exc:
+            print(f"error: interrupted ({exc.signal_name})", file=sys.stderr)
+            return 128 + exc.signum
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -15,41 +15,183 @@ CUDA-graph replay need. A graph that writes the rows itself (the onnxruntime tar
 GroupQueryAttention) declares ``update: "in_place"``: it returns ``present_key.{layer}`` /
 ``present_value.{layer}`` ``[batch, kv_heads, cache_len, head_dim]``, which the runtime binds
 to the same buffer it feeds as ``past_key``/``past_value``, and takes ``seq_lens``.
+
+Untrusted input. A manifest read from disk is validated against the dataclasses below with
+pydantic (strict types, no unknown keys, the value ranges and cross-references the runtime
+relies on) before anything uses it; a failure is one ``GraphkilnError`` line naming the
+field. Every path it names is a plain relative POSIX name (``plain_relative_path``), and
+files are opened only through ``artifact_file``/``open_artifact_file``, which refuse a
+symlink that leads outside the artifact. Dataclasses built in Python (by export) are not
+validated on construction; ``Manifest.validated`` checks one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import stat
+import unicodedata
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Annotated, BinaryIO, Literal
+
+from pydantic import (AfterValidator, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError,
+                      model_validator, with_config)
 
 from graphkiln.errors import GraphkilnError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # a 100-layer model's manifest is ~100 KB; refuse to read a huge one into memory
+
+# What the runtime understands; anything else in a manifest is refused (see the validators below).
+STATE_KINDS = ("kv", "conv")
+KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value")
+CONV_ROLES = ("conv_state", "new_conv_state")
+INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "seq_lens", "slot_idx", "past_key", "past_value", "conv_state")
+OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value")
+# symbolic dimensions; the runtime sizes the outputs it allocates from the first three
+DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots")
+_ALLOCATED_DIMS = ("batch", "seq", "n_logits")
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_DRIVE = re.compile(r"[A-Za-z]:")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHOULD = re.compile(r"^(Input|String|Tuple|Dictionary|List|Object) should")
 
 
+class _FieldError(ValueError):
+    """Raised by a validator about a field below the object it validates: ``loc`` is relative
+    to that object, so the one-line error names the exact field (pydantic reports the object)."""
+
+    def __init__(self, loc: tuple[str | int, ...], problem: str) -> None:
+        super().__init__(problem)
+        self.loc, self.problem = loc, problem
+
+
+def _has_control(text: str) -> bool:
+    # control, format (bidi overrides, zero-width) and surrogate characters: escapes and spoofing on a terminal
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in text)
+
+
+def plain_relative_path(path: str) -> str:
+    """Return ``path`` if it is a plain relative POSIX name of a file inside a directory (no
+    ``..``/``.``/empty component, not absolute, no drive letter, backslash or control
+    character); else raise ValueError saying why. Lexical only: see ``artifact_file``."""
+    if not path:
+        raise ValueError("is empty, not a file name")
+    if _has_control(path):
+        raise ValueError("contains a control character")
+    if "\\" in path:
+        raise ValueError("contains a backslash (artifact paths use '/')")
+    if path.startswith("/") or _DRIVE.match(path):
+        raise ValueError("is an absolute path (artifact paths are relative to the artifact)")
+    parts = path.split("/")
+    for bad in ("..", ".", ""):
+        if bad in parts:
+            raise ValueError(f"has a{'n empty' if not bad else ' ' + repr(bad)} component (artifact paths are plain names)")
+    return path
+
+
+def _dim(value: object) -> int | str:
+    # strict by hand: a PlainValidator sees the raw JSON value (bool is not an int here)
+    if (type(value) is int and value >= 0) or (type(value) is str and value in DIM_NAMES):
+        return value
+    raise ValueError(f"must be an int >= 0 or one of {', '.join(DIM_NAMES)}")
+
+
+def _printable(text: str) -> str:
+    if _has_control(text):
+        raise ValueError("contains a control character")  # inspect prints it: no terminal escapes
+    return text
+
+
+def _sha256(text: str) -> str:
+    if not _SHA256.fullmatch(text):
+        raise ValueError("must be a sha256 digest: 64 lowercase hex digits")
+    return text
+
+
+PosInt = Annotated[int, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+Text = Annotated[str, AfterValidator(_printable)]
+Name = Annotated[str, Field(min_length=1), AfterValidator(_printable)]
+RelPath = Annotated[str, AfterValidator(plain_relative_path)]
+Sha256 = Annotated[str, AfterValidator(_sha256)]
+Dim = Annotated[int | str, PlainValidator(_dim)]
+TensorDtype = Literal["float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool"]
+StateDtype = Literal["float32", "float16", "bfloat16"]
+Role = Literal[INPUT_ROLES + OUTPUT_ROLES]  # type: ignore[valid-type]
+
+
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class TensorSpec:
     """One graph input or output; ``shape`` mixes ints and symbolic dimension names."""
 
-    name: str
-    dtype: str  # numpy-style name: "int64", "float32", "float16", "bfloat16"
-    shape: tuple[int | str, ...]
-    role: str  # "input_ids", "position_ids", "logits_index", "logits", "past_key", ...
-    layer: int | None = None
+    name: Name
+    dtype: TensorDtype  # numpy-style name: "int64", "float32", "float16", "bfloat16"
+    shape: tuple[Dim, ...]
+    role: Role  # "input_ids", "position_ids", "logits_index", "logits", "past_key", ...
+    layer: Count | None = None
+
+    @model_validator(mode="after")
+    def _layer_iff_per_layer_role(self) -> "TensorSpec":
+        per_layer = self.role in KV_ROLES + CONV_ROLES
+        if per_layer and self.layer is None:
+            raise _FieldError(("layer",), f"is missing: a {self.role} tensor belongs to a layer")
+        if not per_layer and self.layer is not None:
+            raise _FieldError(("layer",), f"must be null for a {self.role} tensor (got {self.layer})")
+        if self.role in KV_ROLES and len(self.shape) != 4:
+            raise _FieldError(("shape",), f"of a {self.role} tensor must have 4 dimensions (got {len(self.shape)})")
+        if self.role in CONV_ROLES and len(self.shape) != 3:
+            raise _FieldError(("shape",), f"of a {self.role} tensor must have 3 dimensions (got {len(self.shape)})")
+        return self
 
 
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class GraphSpec:
-    name: str
-    file: str
+    name: Name
+    file: RelPath
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    opset: int
-    target: str = "portable"  # which runtime the graph was lowered for
+    opset: PosInt
+    target: Literal["portable", "onnxruntime"] = "portable"  # which runtime the graph was lowered for
+
+    @model_validator(mode="after")
+    def _io_consistent(self) -> "GraphSpec":
+        for side, tensors, roles in (("inputs", self.inputs, INPUT_ROLES), ("outputs", self.outputs, OUTPUT_ROLES)):
+            names, keys = set(), set()
+            for i, t in enumerate(tensors):
+                if t.role not in roles:
+                    raise _FieldError((side, i, "role"), f"{t.role!r} is not a graph {side[:-1]} role")
+                if t.name in names:
+                    raise _FieldError((side, i, "name"), f"{t.name!r} appears twice")
+                if (t.role, t.layer) in keys:
+                    raise _FieldError((side, i), f"repeats role {t.role} for layer {t.layer}")
+                names.add(t.name)
+                keys.add((t.role, t.layer))
+        if sum(t.role == "logits" for t in self.outputs) != 1:
+            raise _FieldError(("outputs",), "must hold exactly one logits tensor")
+        inputs = {(t.role, t.layer) for t in self.inputs}
+        for i, t in enumerate(self.outputs):
+            # a layer's new rows go into (or are written in place over) the state the graph read
+            needs = {"new_conv_state": "conv_state"}.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
+            if t.layer is not None and (needs, t.layer) not in inputs:
+                raise _FieldError(("outputs", i), f"{t.name!r} has no matching {needs} input for layer {t.layer}")
+            if t.role not in ("present_key", "present_value"):  # the runtime allocates these outputs by their shape
+                bad = [d for d in t.shape if isinstance(d, str) and d not in _ALLOCATED_DIMS]
+                if bad:
+                    raise _FieldError(("outputs", i, "shape"), f"uses dimension {bad[0]!r}; an output the runtime "
+                                      f"allocates may only use {', '.join(_ALLOCATED_DIMS)}")
+        return self
 
 
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class StateSpec:
     """A kind of per-request state and the layers that hold it (see module docstring).
@@ -60,65 +202,95 @@ class StateSpec:
     graph reads at ``slot_idx`` and whose new rows it returns (``update: "slot_rows"``).
     """
 
-    kind: str  # "kv" | "conv"
-    layers: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
-    max_seq_len: int
-    dtype: str
-    layout: str = "batch,kv_heads,seq,head_dim"
-    update: str = "scatter_rows"
-    sliding_window: int | None = None
-    channels: int | None = None
-    width: int | None = None
+    kind: Literal[STATE_KINDS]  # type: ignore[valid-type]  # "kv" | "conv"
+    layers: Annotated[tuple[Count, ...], Field(min_length=1)]
+    num_kv_heads: Count
+    head_dim: Count
+    max_seq_len: Annotated[int, Field(ge=2)]
+    dtype: StateDtype
+    layout: Literal["batch,kv_heads,seq,head_dim", "slots,channels,width"] = "batch,kv_heads,seq,head_dim"
+    update: Literal["scatter_rows", "in_place", "slot_rows"] = "scatter_rows"
+    sliding_window: PosInt | None = None
+    channels: PosInt | None = None
+    width: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "StateSpec":
+        if len(set(self.layers)) != len(self.layers):
+            raise _FieldError(("layers",), f"lists a layer twice (got {list(self.layers)})")
+        if self.kind == "kv":
+            required = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+            wanted = ("batch,kv_heads,seq,head_dim", ("scatter_rows", "in_place"))
+        else:
+            required = {"channels": self.channels, "width": self.width}
+            wanted = ("slots,channels,width", ("slot_rows",))
+        for name, value in required.items():
+            if not value:
+                raise _FieldError((name,), f"must be > 0 for a {self.kind} state (got {value})")
+        if self.layout != wanted[0]:
+            raise _FieldError(("layout",), f"of a {self.kind} state must be {wanted[0]!r} (got {self.layout!r})")
+        if self.update not in wanted[1]:
+            raise _FieldError(("update",), f"of a {self.kind} state must be one of {', '.join(wanted[1])} (got {self.update!r})")
+        return self
 
 
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class CustomOpRef:
     """A custom op a graph uses; the runtime refuses artifacts naming ops it does not know."""
 
-    domain: str
-    name: str
-    version: int
-    plugin_namespace: str
-    plugin_version: str
+    domain: Name
+    name: Name
+    version: PosInt
+    plugin_namespace: Text
+    plugin_version: Text
 
 
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class ModelInfo:
-    architecture: str
-    source: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_parameters: int
-    dtype: str  # of activations and of the weights that are not quantized
-    quant: str | None = None  # weight-only quantization of the Linear layers: "int4" | "int8"
-    quant_block_size: int | None = None  # weights per quantization block (along the input features)
+    architecture: Name
+    source: Text
+    vocab_size: PosInt
+    hidden_size: PosInt
+    num_layers: PosInt
+    num_parameters: Count
+    dtype: Literal["fp32", "fp16", "bf16"]  # of activations and of the weights that are not quantized
+    quant: Literal["int4", "int8"] | None = None  # weight-only quantization of the Linear layers
+    quant_block_size: PosInt | None = None  # weights per quantization block (along the input features)
     quant_symmetric: bool | None = None  # True: no zero points (the kernel's midpoint); False: per-block zero points
 
+    @model_validator(mode="after")
+    def _quant_fields_together(self) -> "ModelInfo":
+        for name in ("quant_block_size", "quant_symmetric"):
+            if (getattr(self, name) is None) != (self.quant is None):
+                raise _FieldError((name,), "must be set exactly when quant is" + (" (quant is null)" if self.quant is None else ""))
+        return self
 
+
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class GenerationDefaults:
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    pad_token_id: int | None = None
+    eos_token_ids: tuple[Count, ...] = ()
+    bos_token_id: Count | None = None
+    pad_token_id: Count | None = None
     do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    top_k: Count = 0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    max_new_tokens: Count = 128
 
 
+@with_config(_STRICT)
 @dataclass(frozen=True)
 class Manifest:
     model: ModelInfo
-    graphs: tuple[GraphSpec, ...]
-    states: tuple[StateSpec, ...]
+    graphs: Annotated[tuple[GraphSpec, ...], Field(min_length=1)]
+    states: Annotated[tuple[StateSpec, ...], Field(min_length=1)]
     generation: GenerationDefaults
-    tokenizer_files: tuple[str, ...]
-    tool_versions: dict[str, str]
-    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    tokenizer_files: tuple[RelPath, ...]
+    tool_versions: dict[Text, Text]
+    files: dict[RelPath, Sha256] = field(default_factory=dict)  # relative path -> sha256
     custom_ops: tuple[CustomOpRef, ...] = ()
     format_version: int = FORMAT_VERSION
 
@@ -131,51 +303,197 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
+    def validated(self, where: str = MANIFEST_NAME) -> "Manifest":
+        """This manifest if a reader would accept it (export checks what it writes); else GraphkilnError."""
+        return Manifest.from_json(self.to_json(), where)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> "Manifest":
+        """What the runtime assumes across sections: one decoder graph; every graph and tokenizer
+        file checksummed; layers in range, each in one state, the graph's state tensors matching it;
+        token ids inside the vocabulary."""
+        vocab, num_layers = self.model.vocab_size, self.model.num_layers
+        names = [g.name for g in self.graphs]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise _FieldError(("graphs", i, "name"), f"{name!r} appears twice")
+        if "decoder" not in names:
+            raise _FieldError(("graphs",), "has no graph named 'decoder'")
+        if MANIFEST_NAME in self.files:
+            raise _FieldError(("files",), f"lists {MANIFEST_NAME}, which cannot hold its own checksum")
+        for i, g in enumerate(self.graphs):
+            if g.file not in self.files:
+                raise _FieldError(("graphs", i, "file"), f"{g.file!r} is not listed in files (no checksum covers it)")
+        for i, f in enumerate(self.tokenizer_files):
+            if f not in self.files:
+                raise _FieldError(("tokenizer_files", i), f"{f!r} is not listed in files (no checksum covers it)")
+            if f in self.tokenizer_files[:i]:
+                raise _FieldError(("tokenizer_files", i), f"{f!r} appears twice")
+        owner: dict[int, StateSpec] = {}
+        for i, s in enumerate(self.states):
+            for j, layer in enumerate(s.layers):
+                if layer >= num_layers:
+                    raise _FieldError(("states", i, "layers", j), f"is {layer}, not a layer of this {num_layers}-layer model")
+                if layer in owner:
+                    raise _FieldError(("states", i, "layers", j), f"layer {layer} is in two states")
+                owner[layer] = s
+            if s.dtype != self.states[0].dtype:
+                raise _FieldError(("states", i, "dtype"), f"is {s.dtype}, but states[0] is {self.states[0].dtype} "
+                                  "(the runtime keeps all state in one dtype)")
+        for i, g in enumerate(self.graphs):
+            for side in ("inputs", "outputs"):
+                for j, t in enumerate(getattr(g, side)):
+                    where = ("graphs", i, side, j)
+                    if t.layer is None:
+                        if t.role == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != vocab:
+                            raise _FieldError(where + ("shape",), f"ends in {t.shape[-1]}, not the vocabulary size {vocab}")
+                        continue
+                    kind = "kv" if t.role in KV_ROLES else "conv"
+                    s = owner.get(t.layer)
+                    if s is None or s.kind != kind:
+                        raise _FieldError(where + ("layer",), f"{t.layer} has no {kind} state (see states[].layers)")
+                    want = (s.num_kv_heads, s.head_dim) if kind == "kv" else (s.channels, s.width)
+                    got = (t.shape[1], t.shape[3]) if kind == "kv" else (t.shape[1], t.shape[2])
+                    if any(isinstance(x, int) and x != y for x, y in zip(got, want)):
+                        raise _FieldError(where + ("shape",), f"{list(t.shape)} does not match its {kind} state "
+                                          f"({'num_kv_heads, head_dim' if kind == 'kv' else 'channels, width'} {list(want)})")
+        gen = self.generation
+        for loc, token in [(("eos_token_ids", i), t) for i, t in enumerate(gen.eos_token_ids)] + [
+                (("bos_token_id",), gen.bos_token_id), (("pad_token_id",), gen.pad_token_id)]:
+            if token is not None and token >= vocab:
+                raise _FieldError(("generation",) + loc, f"is {token}, outside the vocabulary [0, {vocab})")
+        return self
+
     @classmethod
-    def from_json(cls, text: str, where: str = "manifest.json") -> "Manifest":
+    def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> "Manifest":
+        """Parse and validate a manifest; any problem is one GraphkilnError line naming the field."""
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GraphkilnError(f"{where} is not valid JSON ({exc}): re-export the artifact") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nesting too deep
+            raise GraphkilnError(f"{where} is not valid JSON ({_one_line(str(exc) or type(exc).__name__)}): "
+                                 "re-export the artifact") from None
         version = d.get("format_version") if isinstance(d, dict) else None
-        if version != FORMAT_VERSION:
+        if version != FORMAT_VERSION or type(version) is not int:
             raise GraphkilnError(
-                f"{where} has format_version {version!r}, this graphkiln reads {FORMAT_VERSION}: "
+                f"{where} has format_version {_show(version)}, this graphkiln reads {FORMAT_VERSION}: "
                 "re-export the artifact with this graphkiln or install the version that wrote it"
             )
         try:
-            return cls(
-                model=ModelInfo(**d["model"]),
-                graphs=tuple(
-                    GraphSpec(
-                        **{
-                            **g,
-                            "inputs": tuple(_tensor(t) for t in g["inputs"]),
-                            "outputs": tuple(_tensor(t) for t in g["outputs"]),
-                        }
-                    )
-                    for g in d["graphs"]
-                ),
-                states=tuple(StateSpec(**{**s, "layers": tuple(s["layers"])}) for s in d["states"]),
-                generation=GenerationDefaults(
-                    **{**d["generation"], "eos_token_ids": tuple(d["generation"]["eos_token_ids"])}
-                ),
-                tokenizer_files=tuple(d["tokenizer_files"]),
-                tool_versions=dict(d["tool_versions"]),
-                files=dict(d["files"]),
-                custom_ops=tuple(CustomOpRef(**c) for c in d.get("custom_ops", ())),
-                format_version=version,
-            )
-        except (KeyError, TypeError) as exc:
-            raise GraphkilnError(f"{where} is malformed ({type(exc).__name__}: {exc}): re-export the artifact") from None
+            # strict mode takes JSON arrays for tuples only when validating JSON, so validate the text itself
+            return _adapter().validate_json(text)
+        except ValidationError as exc:
+            raise GraphkilnError(_summarise(exc, where)) from None
 
     @classmethod
     def read(cls, artifact_dir: Path) -> "Manifest":
-        path = Path(artifact_dir) / MANIFEST_NAME
-        if not path.is_file():
+        return cls.read_with_digest(artifact_dir)[0]
+
+    @classmethod
+    def read_with_digest(cls, artifact_dir: Path, expected_digest: str | None = None) -> tuple["Manifest", str]:
+        """The artifact's manifest and the sha256 of its bytes (which pins every file, through
+        their recorded checksums). The bytes are read once: what is hashed is what is parsed.
+        With ``expected_digest``, a manifest with another digest is refused before it is parsed."""
+        root = Path(artifact_dir)
+        path = root / MANIFEST_NAME
+        if not os.path.lexists(path):
             raise GraphkilnError(f"{artifact_dir} has no {MANIFEST_NAME}: pass a directory written by 'graphkiln export'")
-        return cls.from_json(path.read_text(), str(path))
+        with open_artifact_file(root, MANIFEST_NAME) as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise GraphkilnError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, far more than any manifest "
+                                 "graphkiln writes: re-export the artifact")
+        digest = hashlib.sha256(data).hexdigest()
+        if expected_digest is not None and digest != expected_digest.lower():
+            raise GraphkilnError(f"{path} has sha256 {digest}, not the expected {expected_digest.lower()}: "
+                                 "the artifact is not the one pinned; restore it or pin the new digest")
+        return cls.from_json(data, str(path)), digest
 
 
-def _tensor(t: dict) -> TensorSpec:
-    return TensorSpec(**{**t, "shape": tuple(t["shape"])})
+@cache
+def _adapter() -> TypeAdapter:
+    return TypeAdapter(Manifest)
+
+
+def artifact_file(root: Path, rel: str) -> Path:
+    """The real path of artifact member ``rel``; GraphkilnError when ``rel`` is not a plain
+    relative name or (through a symlink in any component) resolves outside ``root``.
+
+    Only the link chain is examined (readlink/lstat): nothing outside is opened."""
+    try:
+        plain_relative_path(rel)
+    except ValueError as exc:
+        raise GraphkilnError(f"artifact path {_show(rel)} {exc}: re-export the artifact") from None
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))
+    if real == real_root or os.path.commonpath([real_root, real]) != real_root:
+        raise GraphkilnError(f"artifact file {rel} resolves outside the artifact through a symlink (to {real}): "
+                             "copy the file into the artifact instead of linking it")
+    return Path(real)
+
+
+def open_artifact_file(root: Path, rel: str) -> BinaryIO:
+    """Open artifact member ``rel`` for reading: only a regular file inside the artifact (a FIFO
+    or device is refused before it is read, so it cannot block or stream forever)."""
+    path = artifact_file(root, rel)
+    # the resolved path has no symlinks: O_NOFOLLOW refuses one swapped in since it was resolved
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise GraphkilnError(f"artifact file {rel} is missing: re-export or re-copy the artifact") from None
+    except OSError as exc:
+        raise GraphkilnError(f"cannot read artifact file {rel} ({exc.strerror}): re-export or re-copy the artifact") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GraphkilnError(f"artifact file {rel} is not a regular file: re-export or re-copy the artifact")
+    return os.fdopen(fd, "rb")
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """A JSON value as it appeared in the manifest, on one line and short."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            out += " key"
+        elif isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 1 and loc[0] in ("files", "tool_versions"):
+            out += f"[{_show(part)}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "the manifest"
+
+
+def _summarise(exc: ValidationError, where: str) -> str:
+    """pydantic's multi-line report as one line: the first problem, and how many more there are."""
+    errors = exc.errors(include_url=False)
+    # pydantic also reports a tuple whose bad items were dropped as too short: not a problem of its own
+    locs = [tuple(e["loc"]) for e in errors]
+    errors = [e for e, loc in zip(errors, locs) if not (
+        e["type"] == "too_short" and any(len(other) > len(loc) and other[: len(loc)] == loc for other in locs))]
+    e = errors[0]
+    loc, problem = tuple(e["loc"]), e["msg"]
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, _FieldError):
+        loc, problem = loc + cause.loc, cause.problem
+    elif e["type"] == "unexpected_keyword_argument":
+        problem = "is not a manifest field"
+    elif e["type"] in ("missing_argument", "missing"):
+        problem = "is missing"
+    else:
+        problem = _SHOULD.sub("must", problem.removeprefix("Value error, "))
+        problem = f"{problem[:1].lower()}{problem[1:]} (got {_show(e.get('input'))})"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{where}: {_field_path(loc)} {_one_line(problem)}{more}: re-export the artifact"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphkiln.manifest import Manifest
+from graphkiln.manifest import MANIFEST_NAME, Manifest, artifact_file
 
 
 def _size(n: int) -> str:
@@ -15,9 +15,14 @@ def _size(n: int) -> str:
     return ""
 
 
-def describe(root: Path, m: Manifest) -> str:
+def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
+    """The summary ``inspect`` prints. ``m`` must be validated (``Manifest.read``); the files it
+    lists are stat'ed only after each one is checked to resolve inside ``root`` (a symlink out
+    of the artifact is a GraphkilnError, raised before anything is printed)."""
+    sizes = {f: _stat_size(root, f) for f in m.files}
     lines = [
         f"artifact     {root}  (format v{m.format_version})",
+        *([f"digest       {digest}  (sha256 of {MANIFEST_NAME}: pin the artifact with run --expect-digest)"] if digest else []),
         f"model        {m.model.architecture} from {m.model.source}",
         f"             {m.model.num_parameters / 1e6:.1f}M parameters, {m.model.num_layers} layers, "
         f"hidden {m.model.hidden_size}, vocab {m.model.vocab_size}, dtype {m.model.dtype}",
@@ -55,13 +60,20 @@ def describe(root: Path, m: Manifest) -> str:
     lines.append(f"generation   eos {list(g.eos_token_ids)}, do_sample {g.do_sample}, temperature {g.temperature}, "
                  f"top_k {g.top_k}, top_p {g.top_p}, max_new_tokens {g.max_new_tokens}")
     lines.append(f"tokenizer    {', '.join(m.tokenizer_files) or 'none (token ids only)'}")
-    total = sum((root / f).stat().st_size for f in m.files if (root / f).exists())
+    total = sum(n for n in sizes.values() if n is not None)
     lines.append(f"files        {len(m.files)} files, {_size(total)}, sha256 recorded")
-    for f in m.files:
-        p = root / f
-        lines.append(f"  {f:<28} {_size(p.stat().st_size) if p.exists() else 'MISSING'}")
+    for f, n in sizes.items():
+        lines.append(f"  {f:<28} {'MISSING' if n is None else _size(n)}")
     lines.append("written by   " + ", ".join(f"{k} {v}" for k, v in m.tool_versions.items()))
     return "\n".join(lines)
+
+
+def _stat_size(root: Path, rel: str) -> int | None:
+    """Size of artifact file rel, None when it is missing; never follows a link out of root."""
+    try:
+        return artifact_file(root, rel).stat().st_size
+    except OSError:  # missing, or a path through a non-directory
+        return None
 
 
 def _ranges(layers: tuple[int, ...]) -> str:

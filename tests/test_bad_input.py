@@ -14,49 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from graphkiln.cli import main
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_error(code: int, err: str, *needles: str) -> str:
-    """Exit status 2, and stderr ends with exactly one ``error:`` line (after any progress lines)."""
-    assert code == 2, (code, err)
-    assert "Traceback" not in err
-    lines = [l for l in err.splitlines() if l.strip()]
-    errors = [l for l in lines if l.startswith("error:")]
-    assert len(errors) == 1, err
-    assert lines[-1] == errors[0], f"the error is not stderr's last line: {err!r}"
-    line = errors[0]
-    for n in needles:
-        assert n.lower() in line.lower(), f"{n!r} not in {line!r}"
-    return line
-
-
-def assert_nothing_written(out: Path) -> None:
-    assert not out.exists(), f"{out} was created by a failed export"
-    parent = out.parent
-    if parent.exists():
-        leftovers = [p.name for p in parent.iterdir()]
-        assert not leftovers, f"failed export left {leftovers} in {parent}"
+from cli_contract import assert_nothing_written, assert_one_error, export_fails, run_cli
 
 
 @pytest.fixture
 def out_dir(tmp_path) -> Path:
     """An output path inside an empty directory, so leftovers are easy to see."""
     return tmp_path / "outputs" / "artifact"
-
-
-def export_fails(capsys, ckpt: Path, out: Path, *needles: str, extra=()) -> str:
-    code, _, err = run_cli(capsys, "export", ckpt, "-o", out, *extra)
-    line = assert_one_error(code, err, *needles)
-    assert_nothing_written(out)
-    return line
 
 
 def edit_config(ckpt: Path, **changes) -> None:

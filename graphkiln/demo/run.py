@@ -1,6 +1,10 @@
 """The demo: random tiny Llama + tokenizer trained on shipped text -> export -> verify -> generate.
 
-Everything happens in a temporary directory (or ``--workdir``) and needs no network.
+Needs no network. Every file goes into one new directory the demo creates with mkdtemp,
+``graphkiln-demo-XXXXXXXX``: under ``--workdir DIR`` when given (kept afterwards: that is what
+``--workdir`` is for), else under the system temporary directory (removed unless ``--keep``).
+The demo never writes, replaces or removes anything else, so DIR may hold anything, even
+directories named ``checkpoint`` or ``artifact``.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -56,10 +62,16 @@ def run_demo(workdir: Path | None = None, keep: bool = False) -> int:
     from graphkiln.export.verify import verify_artifact
     from graphkiln.runtime import Engine, GenerationConfig
 
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="graphkiln-demo-"))
-    root.mkdir(parents=True, exist_ok=True)
+    # A fresh directory of our own: removing it can only remove what the demo wrote.
+    try:
+        if workdir is not None:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="graphkiln-demo-", dir=workdir))
+    except OSError as exc:
+        where = workdir if workdir is not None else tempfile.gettempdir()
+        raise GraphkilnError(f"cannot create the demo's directory in {where} ({exc.strerror}): "
+                             "choose another --workdir") from None
     ckpt, art = root / "checkpoint", root / "artifact"
-    shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir()
     try:
         t = time.perf_counter()
@@ -68,7 +80,7 @@ def run_demo(workdir: Path | None = None, keep: bool = False) -> int:
         t_build = time.perf_counter() - t
 
         t = time.perf_counter()
-        manifest = export_model(str(ckpt), art, ExportOptions(max_seq_len=512, target="onnxruntime", overwrite=True))
+        manifest = export_model(str(ckpt), art, ExportOptions(max_seq_len=512, target="onnxruntime"))
         t_export = time.perf_counter() - t
 
         t = time.perf_counter()

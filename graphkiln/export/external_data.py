@@ -10,6 +10,10 @@ straight from their memory, strided ones are made contiguous a block at a time w
 copy kernel into a few reused buffers, and a second thread writes each block while the next
 is being made (both release the GIL). Bytes are copied once; memory stays flat. The model
 is unchanged afterwards.
+
+Every floating-point initializer is checked for NaN/Inf as it is written, one block at a time
+while the previous block is being written (no extra pass over the weights): a non-finite weight
+gives NaN logits, so it raises ``NonFiniteWeight`` naming the initializer instead.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from graphkiln.errors import GraphkilnError
+
 # onnx_ir.save's default: tensors of at most this many bytes stay inline in the graph file.
 SIZE_THRESHOLD = 256
 # Bytes per write() and per strided block: large enough to amortise calls and to copy a
@@ -33,6 +39,58 @@ _QUEUE_DEPTH = 2
 # Same-width integer views: the copy moves bytes, so any dtype of that width (ml_dtypes'
 # bfloat16 and float8 included) goes through the integer one without conversion.
 _INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+# Sub-blocks checked for non-finite values at a time: the bool scratch stays in cache.
+_CHECK_STEP = 1 << 18
+
+
+class NonFiniteWeight(GraphkilnError):
+    """An initializer holds NaN or +-Inf. ``initializer`` is its ONNX name (usually the torch
+    parameter's, ``.T`` appended when the exporter stored it transposed); callers that know the
+    checkpoint map it back to the checkpoint's tensor name."""
+
+    def __init__(self, initializer: str) -> None:
+        self.initializer = initializer
+        super().__init__(f"weight '{initializer}' has NaN or infinite values: the checkpoint is corrupt or "
+                         "was saved from a diverged run; re-download it or export another checkpoint")
+
+
+def _finite_check(arr: np.ndarray | None):
+    """A function telling whether a block of ``arr``'s C-order bytes is all finite, or None for
+    arrays that cannot hold NaN/Inf (integers) and for None (bytes not a plain array)."""
+    if arr is None:
+        return None
+    dtype = arr.dtype
+    if dtype in (np.float16, np.float32, np.float64):
+        scratch = np.empty(_CHECK_STEP, dtype=bool)
+
+        def check(block) -> bool:
+            values = np.frombuffer(block, dtype=dtype)
+            for start in range(0, len(values), _CHECK_STEP):
+                part = values[start: start + _CHECK_STEP]
+                out = scratch[: len(part)]
+                np.isfinite(part, out=out)
+                if not out.all():
+                    return False
+            return True
+
+        return check
+    if dtype.name == "bfloat16":  # ml_dtypes: all exponent bits set is Inf or NaN
+        def check_bf16(block) -> bool:
+            bits = np.frombuffer(block, dtype=np.uint16)
+            return not ((bits & 0x7F80) == 0x7F80).any()
+
+        return check_bf16
+    return None
+
+
+def check_finite(name: str, tensor) -> None:
+    """Raise ``NonFiniteWeight`` when a (small, in-graph) float initializer is not all finite."""
+    arr = _plain_array(tensor)
+    check = _finite_check(arr)
+    if check is not None:
+        arr = np.ascontiguousarray(arr)
+        if arr.size and not check(memoryview(arr.reshape(-1).view(np.uint8))):
+            raise NonFiniteWeight(name)
 
 
 def save_model(model, path: Path, data_name: str | None = None, size_threshold: int = SIZE_THRESHOLD) -> None:
@@ -47,10 +105,13 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
     if missing:
         raise ValueError(f"the model has initializers without values: {missing[:5]}")
     big = [v for v in values if v.const_value.nbytes > size_threshold]
+    for v in values:  # the ones staying inline are checked here, the others as they are written
+        if v.const_value.nbytes <= size_threshold:
+            check_finite(v.name, v.const_value)
     originals = [v.const_value for v in big]
     try:
         with open(path.parent / data_name, "wb", buffering=0) as f:
-            lengths = _write_tensors(f, originals)
+            lengths = _write_tensors(f, originals, [v.name for v in big])
         offset = 0
         for value, tensor, length in zip(big, originals, lengths):
             if length != tensor.nbytes:  # a wrong layout would load as garbage: refuse
@@ -66,17 +127,24 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
             value.const_value = tensor
 
 
-def _write_tensors(f, tensors) -> list[int]:
-    """Append each tensor's bytes to ``f``; returns the bytes written per tensor."""
+def _write_tensors(f, tensors, names=None) -> list[int]:
+    """Append each tensor's bytes to ``f``; returns the bytes written per tensor. Float tensors are
+    checked block by block for NaN/Inf (in this thread, while the writer writes the previous block);
+    the first non-finite one raises ``NonFiniteWeight`` with its name (``names[i]``)."""
     pool = _BufferPool()
     lengths = []
+    names = names or [getattr(t, "name", None) or f"#{i}" for i, t in enumerate(tensors)]
     # One worker: writes run in submission order, so the file is laid out sequentially.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="external-data") as writer:
         pending: deque = deque()  # (write future, scratch buffer to recycle or None), oldest first
         try:
-            for tensor in tensors:
+            for tensor, name in zip(tensors, names):
                 length = 0
-                for block, scratch in _blocks(tensor, pool):
+                arr = _plain_array(tensor)
+                check = _finite_check(arr)
+                for block, scratch in _blocks(tensor, pool, arr):
+                    if check is not None and not check(block):
+                        raise NonFiniteWeight(name)
                     pending.append((writer.submit(_write_all, f, block), scratch))
                     length += len(block)
                     while len(pending) > _QUEUE_DEPTH:
@@ -116,16 +184,17 @@ class _BufferPool:
         self.free.append(buf)
 
 
-def _blocks(tensor, pool: _BufferPool) -> Iterator[tuple[memoryview, object]]:
-    """(bytes, scratch buffer holding them or None) for each block of the tensor, in order."""
-    arr = _plain_array(tensor)
+def _blocks(tensor, pool: _BufferPool, arr: np.ndarray | None) -> Iterator[tuple[memoryview, object]]:
+    """(bytes, scratch buffer holding them or None) for each block of the tensor, in order;
+    ``arr`` is ``_plain_array(tensor)``."""
     if arr is None:  # packed 4-bit, strings, big-endian hosts...: the tensor's own serializer
         yield memoryview(tensor.tobytes()), None
         return
     if arr.flags.c_contiguous:
         flat = memoryview(arr.reshape(-1).view(np.uint8))
-        for start in range(0, len(flat), _BLOCK):
-            yield flat[start: start + _BLOCK], None
+        step = max(arr.itemsize, _BLOCK - _BLOCK % arr.itemsize)  # whole elements: blocks are checked as values
+        for start in range(0, len(flat), step):
+            yield flat[start: start + step], None
         return
     yield from _strided_blocks(arr, pool)
 

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphkiln import __version__
-from graphkiln.artifact import atomic_directory, checksum_tree
+from graphkiln.artifact import checksum_tree
 from graphkiln.errors import GraphkilnError
 from graphkiln.export.assets import copy_tokenizer, generation_defaults
-from graphkiln.export.checkpoint import resolve_checkpoint
+from graphkiln.export.checkpoint import refuse_checkpoint_code, refuse_quantized, resolve_checkpoint
+from graphkiln.export.external_data import NonFiniteWeight
 from graphkiln.manifest import MANIFEST_NAME, CustomOpRef, Manifest, ModelInfo, StateSpec
+from graphkiln.memory import available_memory
 from graphkiln.models.registry import family_for
+from graphkiln.publish import atomic_directory
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,51 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     return dataclasses.replace(graph, target="onnxruntime"), remaining
 
 
+# Positions are int64 in the graph, but onnxruntime's attention kernels and the runtime's
+# bookkeeping index them with int32.
+MAX_SEQ_LEN_LIMIT = 2**31 - 1
+
+
+def check_max_seq_len(max_seq_len: int, cfg, what: str = "--max-seq-len") -> None:
+    """Refuse a maximum length the export cannot build: below 2, above int32 positions, or whose
+    rotary tables (cos and sin, fp32 [max_seq_len, head_dim/2] per rope flavor, built in memory
+    and written into the graph's data file) would not fit in the memory available now. Checked
+    before anything is allocated."""
+    if max_seq_len < 2:
+        raise GraphkilnError(f"{what} {max_seq_len} is too small: use at least 2")
+    if max_seq_len > MAX_SEQ_LEN_LIMIT:
+        raise GraphkilnError(f"{what} {max_seq_len} is too large: positions are 32-bit in onnxruntime, use at most "
+                             f"{MAX_SEQ_LEN_LIMIT}")
+    flavors = len(cfg.ropes)
+    table_bytes = 2 * flavors * max_seq_len * (cfg.head_dim // 2) * 4
+    # building them holds the angles and a product as well: about twice the tables at the peak
+    available = available_memory()
+    if available is not None and 2 * table_bytes > available:
+        raise GraphkilnError(f"{what} {max_seq_len} needs {table_bytes / 2**30:.1f} GiB for rotary tables "
+                             f"(twice that while building them), more than the {available / 2**30:.1f} GiB of memory "
+                             "available: use a smaller --max-seq-len")
+
+
+def non_finite_error(exc: NonFiniteWeight, src: Path, family, cfg, dtype: str, decoder) -> GraphkilnError:
+    """The checkpoint tensor behind a non-finite initializer, as one error line. The ONNX name is
+    usually the torch parameter's (``.T``: stored transposed); the checkpoint tensors are read
+    again, one at a time, to name the one the user can find (q_proj, not the fused qkv_proj)."""
+    from graphkiln.models.weights import find_non_finite
+
+    param = exc.initializer[:-2] if exc.initializer.endswith(".T") else exc.initializer
+    params = dict(decoder.named_parameters())
+    found = find_non_finite(src, family, cfg, dtype, hint=param if param in params else None)
+    if found is None:  # not a checkpoint weight: something computed at export
+        return GraphkilnError(f"exported tensor '{exc.initializer}' has NaN or infinite values although the "
+                              "checkpoint's weights are finite: report this with the checkpoint's config.json")
+    name, by_conversion, kind = found
+    if by_conversion:
+        return GraphkilnError(f"checkpoint weight '{name}' has values too large for --dtype {dtype} (they become "
+                              "infinite): export with --dtype fp32 or bf16")
+    return GraphkilnError(f"checkpoint weight '{name}' has {kind} values: the checkpoint is corrupt or was "
+                          "saved from a diverged run; re-download it or export another checkpoint")
+
+
 def tool_versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -142,7 +190,8 @@ def tool_versions() -> dict[str, str]:
 
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
     from graphkiln.export.onnx_export import NP_DTYPE, SUPPORTED_OPSETS, export_decoder
-    from graphkiln.models.weights import DTYPES, load_decoder, read_config
+    from graphkiln.models.config import architecture_of
+    from graphkiln.models.weights import DTYPES, check_checkpoint, load_decoder, read_config
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
@@ -150,7 +199,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
     if target not in TARGETS:
         raise GraphkilnError(f"--target {target} is not supported: choose one of {', '.join(TARGETS)}")
     if opts.quant is not None:
-        from graphkiln.export.lowering.quantize import QUANT_BITS, block_size_ok
+        from graphkiln.export.lowering.quantize import MATMUL_NBITS_BLOCK_SIZES, QUANT_BITS, block_size_ok
 
         if opts.quant not in QUANT_BITS:
             raise GraphkilnError(f"--quant {opts.quant} is not supported: choose one of {', '.join(QUANT_BITS)}")
@@ -161,34 +210,42 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             raise GraphkilnError(f"--quant {opts.quant} needs --dtype fp32 or fp16 (onnxruntime has no CPU "
                                  f"MatMulNBits for {opts.dtype})")
         if not block_size_ok(opts.quant_block_size):
-            raise GraphkilnError(f"--quant-block-size {opts.quant_block_size} is not supported: use a power of "
-                                 "two >= 16 (e.g. 32, 64, 128)")
+            raise GraphkilnError(f"--quant-block-size {opts.quant_block_size} is not supported: MatMulNBits "
+                                 f"accepts {', '.join(map(str, MATMUL_NBITS_BLOCK_SIZES))}")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
+    # Everything that can be refused from the checkpoint's JSON files and safetensors headers is
+    # refused here, before the output directory exists; what is left (non-finite weights, found
+    # as they are written) fails inside it, and the publication layer removes the partial output.
     src = resolve_checkpoint(model)
     raw = read_config(src)
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise GraphkilnError("config.json has no 'architectures' entry: re-save the checkpoint with save_pretrained")
-    family = family_for(archs[0])
+    refuse_checkpoint_code(src, raw)
+    refuse_quantized(raw)
+    arch = architecture_of(raw)
+    family = family_for(arch)
     try:
         cfg = family.parse_config(raw)
     except (ValueError, TypeError) as exc:
         raise GraphkilnError(f"config.json is inconsistent ({exc}): fix or re-save it") from None
     max_seq_len = cfg.max_position_embeddings if opts.max_seq_len is None else opts.max_seq_len
-    if max_seq_len < 2:
-        raise GraphkilnError(f"--max-seq-len {max_seq_len} is too small: use at least 2")
+    check_max_seq_len(max_seq_len, cfg, "--max-seq-len" if opts.max_seq_len is not None else
+                      "max_position_embeddings in config.json")
+    generation = generation_defaults(src, raw, cfg.vocab_size, note=lambda msg: _say(opts, msg))
+    check_checkpoint(src, family, cfg)
 
-    with atomic_directory(Path(out_dir), overwrite=opts.overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src,)) as tmp:
         t0 = time.perf_counter()
-        _say(opts, f"[1/4] loading {archs[0]} weights from {src} as {opts.dtype}")
+        _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
         decoder.set_rope_positions(max_seq_len)
         # expert_bias is a routing buffer in the reference, not a parameter: don't count it
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
-        traced = export_decoder(decoder, tmp, opts.opset)
+        try:
+            traced = export_decoder(decoder, tmp, opts.opset)
+        except NonFiniteWeight as exc:
+            raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
         graph, used_ops = traced.graph, traced.custom_ops
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
         del decoder  # before the lowering, which loads (some of) the weights again
@@ -221,12 +278,12 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(
-            model=ModelInfo(archs[0], str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
+            model=ModelInfo(arch, str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
                             quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None,
                             quant_symmetric=opts.quant_symmetric if opts.quant else None),
             graphs=(graph,),
             states=tuple(states),
-            generation=generation_defaults(src, raw),
+            generation=generation,
             tokenizer_files=tokenizer_files,
             tool_versions=tool_versions(),
             files=checksum_tree(tmp),

@@ -12,10 +12,18 @@ generation steps up to each row's first divergence). The largest error is report
 bounded: one token whose MoE routing flips, or a near-tie, dominates it. The greedy run is
 reported too, but a quantized model may legitimately take another path at the first
 near-tie, so it is only required for int8, and loosely.
+
+Non-finite logits (NaN/Inf), ours or the reference's, fail verification outright and the
+report says where the first one is: an error measure cannot be trusted to carry a NaN (Python's
+``max(0.0, nan)`` is 0.0). The reference is loaded with ``trust_remote_code=False``, and a
+checkpoint whose config.json has ``auto_map`` (its own Python code) is refused before
+transformers sees it, so nothing ever prompts or runs the checkpoint's code.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +31,7 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
+from graphkiln.runtime.engine import NonFiniteLogitsError
 
 DEFAULT_ATOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 2.5e-1}
 # Half-precision artifacts legitimately flip near-tied greedy choices; fp32 must not.
@@ -55,6 +64,7 @@ class VerifyReport:
     positions_compared: int = 0  # logit rows compared (prompt positions + steps before divergence)
     positions_top1_agreed: int = 0  # ... whose argmax equals the reference's
     min_top1: float | None = None  # bound on top1_agreement (quantized artifacts)
+    nonfinite: str | None = None  # where the first NaN/Inf logits were ("ours at ..."); verification stopped there
 
     @property
     def agreement(self) -> float:
@@ -66,7 +76,7 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return (self.max_abs_error <= self.atol and self.agreement >= self.min_agreement
+        return (self.nonfinite is None and self.max_abs_error <= self.atol and self.agreement >= self.min_agreement
                 and (self.rtol is None or self.rms_rel_error <= self.rtol)
                 and (self.min_top1 is None or self.top1_agreement >= self.min_top1))
 
@@ -75,6 +85,8 @@ class VerifyReport:
         greedy = (f"greedy tokens identical {self.tokens_agreed}/{self.tokens_compared} "
                   f"({100 * self.agreement:.1f}%, need {100 * self.min_agreement:.0f}%) over {self.steps} steps -> ")
         verdict = "PASS" if self.passed else "FAIL"
+        if self.nonfinite is not None:
+            return f"checked {shapes}; logits contain NaN/Inf ({self.nonfinite}) -> FAIL"
         if self.quant is None:
             return (f"checked {shapes}; logits max abs error {self.max_abs_error:.3g} (tolerance {self.atol:g}), "
                     f"max rel error {self.max_rel_error:.3g}; " + greedy + verdict)
@@ -87,6 +99,10 @@ class VerifyReport:
                 f"({100 * self.top1_agreement:.1f}%{top1}); " + greedy + verdict)
 
 
+class _NonFinite(Exception):
+    """Ends a verification at the first NaN/Inf logits; the message says whose and where."""
+
+
 def _reference(reference: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -95,9 +111,17 @@ def _reference(reference: str):
     from graphkiln.export.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint(reference)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None  # transformers reports a missing or malformed config below
+    if isinstance(config, dict) and "auto_map" in config:
+        raise GraphkilnError(
+            f"the reference {reference} ships its own Python code (config.json has 'auto_map'), which graphkiln never "
+            "runs: verify against a checkpoint of a built-in transformers architecture (drop 'auto_map' if it is one)")
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False).eval()
     except Exception as exc:
         raise GraphkilnError(f"transformers cannot load the reference {reference} ({str(exc).splitlines()[0][:160]})") from None
     return model
@@ -108,6 +132,12 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
                     min_agreement: float | None = None, engine: Engine | None = None) -> VerifyReport:
     import torch
 
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise GraphkilnError(f"steps must be an integer >= 1, got {steps!r}: pass e.g. --steps 32")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
+        raise GraphkilnError(f"seed must be an integer >= 0, got {seed!r}: pass e.g. --seed 0")
+    if atol is not None and not (isinstance(atol, (int, float)) and 0 <= atol < math.inf):
+        raise GraphkilnError(f"atol must be a finite number >= 0, got {atol!r}: pass e.g. --atol 1e-4 or omit it")
     engine = engine or Engine.load(artifact)
     dtype = engine.manifest.model.dtype
     quant = getattr(engine.manifest.model, "quant", None)
@@ -122,9 +152,16 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     compared = agreed = 0
     positions = top1 = 0
     err2 = spread2 = 0.0
+    nonfinite: str | None = None
 
-    def compare(ours: np.ndarray, ref: np.ndarray) -> None:
+    def compare(ours: np.ndarray, ref: np.ndarray, where) -> None:
+        """Accumulate the errors of rows [..., vocab]; ``where(i)`` names flat row i for a
+        NaN/Inf report. Raises _NonFinite first, so every measure below sees finite values."""
         nonlocal max_abs, max_rel, positions, top1, err2, spread2
+        for who, a in (("ours", ours), ("reference", ref)):
+            bad = ~np.isfinite(a).reshape(-1, a.shape[-1]).all(-1)
+            if bad.any():
+                raise _NonFinite(f"{who} at {where(int(bad.argmax()))}")
         err2 += float(np.square(ours - ref, dtype=np.float64).sum())
         spread2 += float(np.square(ref - ref.mean(-1, keepdims=True), dtype=np.float64).sum())
         err = float(np.abs(ours - ref).max())
@@ -133,26 +170,35 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         positions += int(np.prod(ref.shape[:-1]))
         top1 += int((ours.argmax(-1) == ref.argmax(-1)).sum())
 
-    for shape in shapes:
-        prompts = [rng.integers(0, vocab, n).tolist() for n in shape]
-        for p, ours in zip(prompts, engine.prompt_logits(prompts)):
-            with torch.no_grad():
-                compare(ours, model(torch.tensor([p])).logits[0].float().numpy())
-        results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, do_sample=False, stop_token_ids=(), output_logits=True))
-        for p, res in zip(prompts, results):
-            with torch.no_grad():
-                ids = torch.tensor([p])
-                # An explicit mask: otherwise generate() masks every token equal to pad_token_id.
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            ref_tokens = out.sequences[0, len(p):].tolist()
-            ref_logits = torch.stack(out.logits, 1)[0].float().numpy()
-            compared += steps
-            for t, (a, b) in enumerate(zip(res.token_ids, ref_tokens)):
-                compare(res.logits[t], ref_logits[t])  # same context up to and including step t
-                if a != b:
-                    break
-                agreed += 1
+    try:
+        for b, shape in enumerate(shapes):
+            prompts = [rng.integers(0, vocab, n).tolist() for n in shape]
+            for i, (p, ours) in enumerate(zip(prompts, engine.prompt_logits(prompts))):
+                with torch.no_grad():
+                    ref = model(torch.tensor([p])).logits[0].float().numpy()
+                compare(ours, ref, lambda pos: f"prompt position {pos} of prompt {i} in batch {b}")
+            try:
+                results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, do_sample=False, stop_token_ids=(),
+                                                                    output_logits=True))
+            except NonFiniteLogitsError as exc:
+                raise _NonFinite(f"ours at generation step {exc.step} of prompt {exc.request} in batch {b}") from None
+            for i, (p, res) in enumerate(zip(prompts, results)):
+                with torch.no_grad():
+                    ids = torch.tensor([p])
+                    # An explicit mask: otherwise generate() masks every token equal to pad_token_id.
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                ref_tokens = out.sequences[0, len(p):].tolist()
+                ref_logits = torch.stack(out.logits, 1)[0].float().numpy()
+                compared += steps
+                for t, (x, y) in enumerate(zip(res.token_ids, ref_tokens)):
+                    # same context up to and including step t (steps counted from 1, as the engine does)
+                    compare(res.logits[t], ref_logits[t], lambda _: f"generation step {t + 1} of prompt {i} in batch {b}")
+                    if x != y:
+                        break
+                    agreed += 1
+    except _NonFinite as exc:
+        nonfinite = str(exc)
     if quant:  # compared with the fp32 reference: quantization error bounds (see module docstring)
         default_atol, default_agreement = float("inf"), DEFAULT_QUANT_MIN_AGREEMENT.get(quant, 0.0)
     else:
@@ -172,4 +218,5 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         positions_compared=positions,
         positions_top1_agreed=top1,
         min_top1=DEFAULT_QUANT_MIN_TOP1.get(quant, 0.0) if quant else None,
+        nonfinite=nonfinite,
     )

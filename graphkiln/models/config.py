@@ -6,7 +6,11 @@ torch modules in ``decoder.py`` never read HF config attributes directly.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+
+from graphkiln.errors import GraphkilnError
 
 # Activations the export-friendly MLP implements (see decoder._ACTIVATIONS).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -99,28 +103,158 @@ class DecoderConfig:
         return tuple(i for i, l in enumerate(self.layers) if l.mixer == mixer)
 
 
-def _require(raw: dict, key: str, architecture: str):
-    if key not in raw or raw[key] is None:
-        from graphkiln.errors import GraphkilnError
+# --- typed reads of config.json values -------------------------------------------------------
+# config.json is untrusted input: transformers' own config classes refuse ill-typed values
+# (a float or a bool where an int belongs), and a zero or negative size would only fail deep in
+# the exporter. Every value the families read goes through these, so one message shape names
+# the key, the value as JSON spells it, and what was expected.
 
+REQUIRED = object()  # default meaning "must be present"
+
+
+def config_error(key: str, value, expected: str, file: str = "config.json") -> GraphkilnError:
+    return GraphkilnError(f"{file}: '{key}' is {_json(value)}, expected {expected}: fix {file}")
+
+
+def _json(value) -> str:
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _missing(raw: dict, key: str, default, architecture: str):
+    if default is REQUIRED:
         raise GraphkilnError(
-            f"config.json for {architecture} has no '{key}': the checkpoint's config is "
-            "incomplete; re-save it with transformers' save_pretrained"
+            f"config.json for {architecture or 'this model'} has no '{key}': the "
+            "checkpoint's config is incomplete; re-save it with transformers' save_pretrained"
         )
-    return raw[key]
+    return default
+
+
+def _int_ok(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def cfg_int(raw: dict, key: str, default=REQUIRED, *, min: int = 1, architecture: str = "") -> int:
+    """``raw[key]`` as an int >= ``min``; absent or null gives ``default`` (unchecked, may be None)."""
+    value = raw.get(key)
+    if value is None:
+        return _missing(raw, key, default, architecture)
+    if not _int_ok(value) or value < min:
+        raise config_error(key, value, "a positive integer" if min == 1 else f"an integer >= {min}")
+    return value
+
+
+def cfg_float(raw: dict, key: str, default=REQUIRED, *, min: float | None = None, positive: bool = False,
+              max: float | None = None, architecture: str = "") -> float:
+    """``raw[key]`` as a finite float (ints accepted), > 0 when ``positive``, within [min, max]."""
+    value = raw.get(key)
+    if value is None:
+        return _missing(raw, key, default, architecture)
+    ok = (_int_ok(value) or isinstance(value, float)) and math.isfinite(value)
+    ok = ok and not (positive and value <= 0) and not (min is not None and value < min) \
+        and not (max is not None and value > max)
+    if not ok:
+        what = "a positive number" if positive else "a finite number"
+        if min is not None:
+            what += f" >= {min}"
+        if max is not None:
+            what += f" <= {max}"
+        raise config_error(key, value, what)
+    return float(value)
+
+
+def cfg_bool(raw: dict, key: str, default=REQUIRED, *, architecture: str = "") -> bool:
+    value = raw.get(key)
+    if value is None:
+        return _missing(raw, key, default, architecture)
+    if not isinstance(value, bool):
+        raise config_error(key, value, "true or false")
+    return value
+
+
+def cfg_str(raw: dict, key: str, default=REQUIRED, *, architecture: str = "") -> str:
+    value = raw.get(key)
+    if value is None:
+        return _missing(raw, key, default, architecture)
+    if not isinstance(value, str):
+        raise config_error(key, value, "a string")
+    return value
+
+
+def cfg_int_list(raw: dict, key: str, *, below: int, min: int = 0) -> tuple[int, ...] | None:
+    """A list of ints in [min, below) (layer indices), or None when absent."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_int_ok(v) and min <= v < below for v in value):
+        raise config_error(key, value, f"a list of integers in [{min}, {below})")
+    return tuple(value)
+
+
+def cfg_layer_types(raw: dict, allowed: tuple[str, ...], num_layers: int) -> list[str] | None:
+    """``layer_types``: one known string per layer, or None when absent. An unknown type (say a
+    linear-attention layer) must not silently become full attention."""
+    value = raw.get("layer_types")
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, str) and t in allowed for t in value):
+        raise config_error("layer_types", value, f"a list of {', '.join(repr(a) for a in allowed)}")
+    if len(value) != num_layers:
+        raise GraphkilnError(f"config.json: 'layer_types' has {len(value)} entries but 'num_hidden_layers' is "
+                             f"{num_layers}: fix config.json")
+    return value
+
+
+def cfg_window(raw: dict) -> int | None:
+    """``sliding_window``: None (no window) or a positive int."""
+    return cfg_int(raw, "sliding_window", None)
+
+
+def num_layers(raw: dict, architecture: str) -> int:
+    return cfg_int(raw, "num_hidden_layers", architecture=architecture)
+
+
+def architecture_of(raw: dict) -> str:
+    """``architectures[0]``, refusing the shapes that would make it something else (a plain string
+    would be read as its first letter)."""
+    archs = raw.get("architectures")
+    if archs is None or archs == []:
+        raise GraphkilnError("config.json has no 'architectures' entry: re-save the checkpoint with save_pretrained")
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+        raise GraphkilnError(f"config.json: 'architectures' is {_json(archs)}, but 'architectures' must be a list "
+                             'of strings (e.g. ["LlamaForCausalLM"]): fix config.json')
+    return archs[0]
+
+
+def _rope_config(params, where: str, default_theta) -> RopeConfig:
+    if not isinstance(params, dict):
+        raise config_error(where, params, "an object")
+    params = dict(params)
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", default_theta)
+    if not isinstance(params["rope_type"], str):
+        raise config_error(f"{where}.rope_type", params["rope_type"], "a string")
+    theta = params["rope_theta"]
+    if not (_int_ok(theta) or isinstance(theta, float)) or not math.isfinite(theta) or theta <= 0:
+        raise config_error(f"{where}.rope_theta" if where else "rope_theta", theta, "a positive number")
+    return RopeConfig(theta=float(theta), rope_type=params["rope_type"], parameters=params)
 
 
 def rope_from_raw(raw: dict, architecture: str) -> RopeConfig:
     """Read rotary parameters from either the 5.x ``rope_parameters`` or older fields."""
-    params = dict(raw.get("rope_parameters") or {})
-    if not params:
-        params = dict(raw.get("rope_scaling") or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    return RopeConfig(theta=float(params["rope_theta"]), rope_type=params["rope_type"], parameters=params)
+    default_theta = raw.get("rope_theta", 10000.0)
+    if raw.get("rope_parameters"):
+        return _rope_config(raw["rope_parameters"], "rope_parameters", default_theta)
+    params = raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise config_error("rope_scaling", params, "an object")
+    params = dict(params)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    return _rope_config(params, "rope_scaling" if params else "", default_theta)
 
 
 def parse_dense(
@@ -134,35 +268,46 @@ def parse_dense(
     layer_windows: tuple[int | None, ...] | None = None,
     **overrides,
 ) -> DecoderConfig:
-    """Common parsing for Llama-style configs; families pass what differs."""
-    hidden = int(_require(raw, "hidden_size", architecture))
-    heads = int(_require(raw, "num_attention_heads", architecture))
-    layers = int(_require(raw, "num_hidden_layers", architecture))
-    attention_bias = bool(raw.get("attention_bias", False))
-    head_dim = raw.get("head_dim") or hidden // heads
-    act = str(raw.get("hidden_act", "silu"))
-    if act not in SUPPORTED_ACTIVATIONS:
-        from graphkiln.errors import GraphkilnError
+    """Common parsing for Llama-style configs; families pass what differs.
 
+    Every value is read through the typed ``cfg_*`` readers: a wrong type or an out-of-range size
+    is a one-line GraphkilnError naming the key, never a silent ``int()`` of 2.7 or true.
+    """
+    a = architecture
+    hidden = cfg_int(raw, "hidden_size", architecture=a)
+    heads = cfg_int(raw, "num_attention_heads", architecture=a)
+    layers = num_layers(raw, a)
+    attention_bias = cfg_bool(raw, "attention_bias", False)
+    head_dim = cfg_int(raw, "head_dim", None)
+    if head_dim is None:
+        if hidden < heads:
+            raise GraphkilnError(f"config.json: 'hidden_size' {hidden} is smaller than 'num_attention_heads' {heads} "
+                                 "and there is no 'head_dim': fix config.json")
+        head_dim = hidden // heads
+    act = cfg_str(raw, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
         raise GraphkilnError(
             f"hidden_act '{act}' in config.json is not supported: graphkiln implements {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
+    eps = cfg_float(raw, "rms_norm_eps", None, min=0)
+    if eps is None:
+        eps = cfg_float(raw, "norm_eps", 1e-6, min=0)
     fields = dict(
         architecture=architecture,
-        vocab_size=int(_require(raw, "vocab_size", architecture)),
+        vocab_size=cfg_int(raw, "vocab_size", architecture=a),
         hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size", architecture)),
+        intermediate_size=cfg_int(raw, "intermediate_size", architecture=a),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
+        num_kv_heads=cfg_int(raw, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        rms_norm_eps=eps,
         rope=rope_from_raw(raw, architecture),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg_int(raw, "max_position_embeddings", 2048),
+        tie_word_embeddings=cfg_bool(raw, "tie_word_embeddings", False),
         qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
         o_bias=attention_bias if o_bias is None else o_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)) if mlp_bias is None else mlp_bias,
+        mlp_bias=cfg_bool(raw, "mlp_bias", False) if mlp_bias is None else mlp_bias,
         qk_norm=qk_norm,
         hidden_act=act,
         layer_windows=layer_windows or (None,) * layers,
@@ -174,14 +319,15 @@ def parse_dense(
 
 def windows_from_layer_types(raw: dict) -> tuple[int | None, ...] | None:
     """Per-layer windows for configs that list ``layer_types`` (Qwen2/Qwen3)."""
-    types = raw.get("layer_types")
-    window = raw.get("sliding_window")
-    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+    n = num_layers(raw, "")
+    types = cfg_layer_types(raw, ("full_attention", "sliding_attention"), n)
+    window = cfg_window(raw)
+    if not cfg_bool(raw, "use_sliding_window", True):
         window = None
     if not types:
         if not window:
             return None
         # Configs written before layer_types existed: transformers slides layers >= max_window_layers.
-        first = int(raw.get("max_window_layers", 0))
-        return tuple(window if i >= first else None for i in range(int(raw.get("num_hidden_layers", 0))))
+        first = cfg_int(raw, "max_window_layers", 0, min=0)
+        return tuple(window if i >= first else None for i in range(n))
     return tuple(window if t == "sliding_attention" and window else None for t in types)

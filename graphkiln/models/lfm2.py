@@ -5,7 +5,8 @@ Also holds what LFM2-MoE and LFM3 share: layer-type parsing and the LFM weight n
 
 import re
 
-from graphkiln.models.config import LayerSpec, parse_dense
+from graphkiln.errors import GraphkilnError
+from graphkiln.models.config import LayerSpec, cfg_bool, cfg_float, cfg_int, cfg_int_list, cfg_layer_types, num_layers, parse_dense
 from graphkiln.models.registry import ModelFamily, register
 from graphkiln.models.sources import Alt, renamer, stacked_experts
 
@@ -29,33 +30,41 @@ LFM2_ATTENTION_RENAMES = [
 ]
 
 
-def layer_types(raw: dict) -> list[str]:
-    n = int(raw.get("num_hidden_layers", 0))
-    types = raw.get("layer_types")
+def layer_types(raw: dict, allowed: tuple[str, ...] = ("conv", "full_attention"), architecture: str = ARCH) -> list[str]:
+    n = num_layers(raw, architecture)
+    types = cfg_layer_types(raw, allowed, n)
     if not types:
-        full = raw.get("full_attn_idxs")
+        full = cfg_int_list(raw, "full_attn_idxs", below=n)
         full = set(range(n)) if full is None else set(full)
         types = ["full_attention" if i in full else "conv" for i in range(n)]
     return list(types)
 
 
+def conv_fields(raw: dict) -> dict:
+    """The short-conv settings every LFM shares (the kernel needs a state of width >= 1)."""
+    return dict(conv_kernel=cfg_int(raw, "conv_L_cache", 3, min=2), conv_bias=cfg_bool(raw, "conv_bias", False),
+                tie_word_embeddings=cfg_bool(raw, "tie_word_embeddings", True))
+
+
 def lfm2_intermediate(raw: dict) -> int:
-    size = int(raw.get("intermediate_size", 0))
-    if raw.get("block_auto_adjust_ff_dim"):
+    size = cfg_int(raw, "intermediate_size", architecture=ARCH)
+    if cfg_bool(raw, "block_auto_adjust_ff_dim", False):
         size = int(2 * size / 3)
-        if raw.get("block_ffn_dim_multiplier") is not None:
-            size = int(raw["block_ffn_dim_multiplier"] * size)
-            multiple = int(raw.get("block_multiple_of", 256))
+        multiplier = cfg_float(raw, "block_ffn_dim_multiplier", None, positive=True)
+        if multiplier is not None:
+            size = int(multiplier * size)
+            multiple = cfg_int(raw, "block_multiple_of", 256)
             size = multiple * ((size + multiple - 1) // multiple)
+    if size < 1:
+        raise GraphkilnError(f"config.json: the feed-forward size works out to {size}: fix 'intermediate_size' "
+                             "or 'block_ffn_dim_multiplier' in config.json")
     return size
 
 
 def _parse(raw: dict):
     layers = tuple(LayerSpec(mixer="conv" if t == "conv" else "attention") for t in layer_types(raw))
     return parse_dense(raw, ARCH, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, layers=layers,
-                       intermediate_size=lfm2_intermediate(raw), conv_kernel=int(raw.get("conv_L_cache", 3)),
-                       conv_bias=bool(raw.get("conv_bias", False)),
-                       tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+                       intermediate_size=lfm2_intermediate(raw), **conv_fields(raw))
 
 
 def lfm_source(extra_rules):

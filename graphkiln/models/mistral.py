@@ -1,12 +1,12 @@
 """MistralForCausalLM: Llama without bias, every layer windowed when sliding_window is set."""
 
-from graphkiln.models.config import parse_dense
+from graphkiln.models.config import cfg_window, num_layers, parse_dense
 from graphkiln.models.registry import ModelFamily, register
 
 
 def _parse(raw: dict):
-    layers = int(raw.get("num_hidden_layers", 0))
-    window = raw.get("sliding_window")
+    layers = num_layers(raw, "MistralForCausalLM")
+    window = cfg_window(raw)
     return parse_dense(raw, "MistralForCausalLM", qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(window,) * layers)
 
 

@@ -19,6 +19,9 @@ class Stack:
 @dataclass(frozen=True)
 class Cat:
     parts: tuple  # Sources concatenated along dim 0
+    # Rows each part contributes, when known (q/k/v differ); None: equal parts. Only used to
+    # name the part whose shape is wrong.
+    sizes: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,11 @@ def fused_source(source, name: str, cfg) -> Source:
     for pattern, parts in _FUSED:
         m = pattern.match(name)
         if m:
-            return Cat(tuple(source(f"{m.group(1)}.{part}.{m.group(2)}", cfg) for part in parts))
+            sizes = None
+            if parts[0] == "q_proj":
+                q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+                sizes = (q, kv, kv)
+            return Cat(tuple(source(f"{m.group(1)}.{part}.{m.group(2)}", cfg) for part in parts), sizes)
     return source(name, cfg)
 
 

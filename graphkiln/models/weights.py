@@ -7,7 +7,10 @@ about one copy of the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +26,15 @@ from graphkiln.models.registry import ModelFamily
 from graphkiln.models.sources import Alt, Cat, Source, Stack, fused_source, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The stored types a float weight may have (F64 is converted like the others). Anything else, an
+# integer or bool tensor where a float weight belongs, would be cast into a silently wrong model.
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# Tensors a checkpoint may hold that no model reads, and that transformers itself skips when it
+# loads the supported families (modeling_utils._adjust_missing_and_unexpected_keys): rotary
+# inv_freq buffers that old checkpoints saved per layer, and the once-persistent position_ids.
+# Every other unread tensor is an error: it means config.json describes another model (fewer
+# layers, another architecture) than the weights.
+IGNORABLE_TENSORS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), re.compile(r"(^|\.)position_ids$"))
 
 
 def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Tensor, float]:
@@ -34,15 +45,30 @@ def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Te
         return inv, 1.0
     if rope.rope_type == "dynamic":
         raise GraphkilnError("rope_type 'dynamic' changes with sequence length and cannot be exported; use a static rope type")
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope.rope_type not in ROPE_INIT_FUNCTIONS:
         raise GraphkilnError(f"unknown rope_type '{rope.rope_type}' in config.json")
-    hf_cfg = AutoConfig.for_model(**cfg.raw)
-    kwargs = {"layer_type": flavor} if flavor != "default" else {}
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](hf_cfg, "cpu", **kwargs)
-    return inv.float(), float(scaling)
+    fields = dict(cfg.raw)
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise GraphkilnError(f"config.json: 'model_type' is {model_type!r}, which transformers does not know: "
+                             f"rope_type '{rope.rope_type}' needs it; fix config.json")
+    try:
+        # transformers' own config class for the model type (never a checkpoint's code: no
+        # auto_map lookup happens here) evaluates the scaled rope exactly as the reference does.
+        hf_cfg = CONFIG_MAPPING[model_type](**fields)
+        kwargs = {"layer_type": flavor} if flavor != "default" else {}
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](hf_cfg, "cpu", **kwargs)
+    except Exception as exc:  # transformers validates rope parameters with several exception types
+        raise GraphkilnError(f"config.json: the '{rope.rope_type}' rope parameters are rejected by transformers "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}): fix config.json") from None
+    inv = inv.float()
+    if not bool(torch.isfinite(inv).all()) or not math.isfinite(float(scaling)):
+        raise GraphkilnError(f"config.json: the '{rope.rope_type}' rope parameters give non-finite rotary "
+                             "frequencies: fix config.json")
+    return inv, float(scaling)
 
 
 def _open_shards(model_dir: Path) -> dict[str, Path]:
@@ -87,6 +113,23 @@ class _Reader:
         if isinstance(src, Alt):
             return any(self.has(o) for o in src.options)
         return all(self.has(p) for p in src.parts)
+
+    def chosen(self, src: Source) -> Source:
+        """The layout ``read`` would use (first complete ``Alt`` option); ``src`` must be ``has``."""
+        if isinstance(src, Alt):
+            return self.chosen(next(o for o in src.options if self.has(o)))
+        if isinstance(src, str):
+            return src
+        return dataclasses.replace(src, parts=tuple(self.chosen(p) for p in src.parts))
+
+    def header(self, name: str) -> dict:
+        """The shard header entry of a tensor: {"dtype": "F32", "shape": [...], "data_offsets": [...]}."""
+        shard = self.where[name]
+        if shard not in self.headers:
+            with open(shard, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self.headers[shard] = (8 + n, json.loads(f.read(n)))
+        return self.headers[shard][1][name]
 
     def missing(self, src: Source) -> str:
         if isinstance(src, Alt):
@@ -140,10 +183,7 @@ class _Reader:
         if name not in self.where:
             return None
         shard = self.where[name]
-        if shard not in self.headers:
-            with open(shard, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self.headers[shard] = (8 + n, json.loads(f.read(n)))
+        self.header(name)
         base, entries = self.headers[shard]
         entry = entries.get(name)
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if entry else None
@@ -157,18 +197,60 @@ class _Reader:
             h.__exit__(None, None, None)
 
 
-def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str, progress: bool = True) -> DecoderForExport:
-    torch_dtype = DTYPES[dtype]
-    ropes = {flavor: rope_inv_freq(cfg, flavor) for flavor in cfg.ropes}
+def _meta_decoder(cfg: DecoderConfig, ropes: dict) -> DecoderForExport:
     with torch.device("meta"):
-        model = DecoderForExport(cfg, {f: inv.to("meta") for f, (inv, _) in ropes.items()}, {f: s for f, (_, s) in ropes.items()})
-    for flavor, (inv, _) in ropes.items():  # computed buffers, not stored in checkpoints
-        setattr(model, f"inv_freq_{flavor}", inv)
+        return DecoderForExport(cfg, {f: inv.to("meta") for f, (inv, _) in ropes.items()},
+                                {f: s for f, (_, s) in ropes.items()})
 
-    reader = _Reader(_open_shards(model_dir))
+
+def _wanted(model: DecoderForExport, cfg: DecoderConfig) -> dict[str, torch.nn.Parameter]:
     wanted = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight")
+    return wanted
+
+
+def _natural(name: str) -> list:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _leaves(src: Source) -> list[str]:
+    if isinstance(src, str):
+        return [src]
+    return [n for p in src.parts for n in _leaves(p)]
+
+
+def _check_shape(reader: _Reader, src: Source, expected: tuple[int, ...], param: str) -> None:
+    """Compare the stored shapes of a resolved source's tensors with what config.json implies, naming
+    the checkpoint tensor that differs. A ``Cat`` splits its expected rows as the decoder fuses them:
+    ``sizes`` when the source gives them, else equal parts (gate/up)."""
+    if isinstance(src, str):
+        shape = tuple(reader.header(src)["shape"])
+        if shape != tuple(expected):
+            via = "" if src == param else f" (read for {param})"
+            raise GraphkilnError(f"weight '{src}'{via} has shape {shape} but config.json implies {tuple(expected)}: "
+                                 "the safetensors files do not match config.json")
+        return
+    if isinstance(src, Stack):
+        if len(src.parts) != expected[0]:  # the family builds one part per expert: a programming error
+            raise GraphkilnError(f"{param}: {len(src.parts)} stacked tensors for {expected[0]}")
+        for part in src.parts:
+            _check_shape(reader, part, tuple(expected[1:]), param)
+        return
+    sizes = src.sizes or (expected[0] // len(src.parts),) * len(src.parts)
+    if sum(sizes) != expected[0]:  # no known split: name the parts and their shapes
+        shapes = ", ".join(f"'{n}' {tuple(reader.header(n)['shape'])}" for n in _leaves(src))
+        raise GraphkilnError(f"weight '{param}' is assembled from {shapes}, which cannot make the {tuple(expected)} "
+                             "config.json implies: the safetensors files do not match config.json")
+    for part, rows in zip(src.parts, sizes):
+        _check_shape(reader, part, (rows, *expected[1:]), param)
+
+
+def _plan(reader: _Reader, family: ModelFamily, cfg: DecoderConfig, model: DecoderForExport) -> dict[str, Source]:
+    """Resolve every parameter's tensors and check them against the shards' headers, before any
+    tensor is read: all present, all float, the shapes config.json implies, and nothing left over."""
+    wanted = _wanted(model, cfg)
     sources = {name: fused_source(family.source, name, cfg) for name in wanted}
     missing = [reader.missing(src) for src in sources.values() if not reader.has(src)]
     if missing:
@@ -176,6 +258,53 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
         raise GraphkilnError(
             f"checkpoint is missing weight '{missing[0]}'{more}: the safetensors files do not match config.json"
         )
+    resolved = {name: reader.chosen(src) for name, src in sources.items()}
+    for name, src in resolved.items():
+        for leaf in _leaves(src):
+            stored = reader.header(leaf)["dtype"]
+            if stored not in _SAFETENSORS_DTYPES:
+                raise GraphkilnError(
+                    f"checkpoint tensor '{leaf}' is stored as {stored}, not as a float type: graphkiln exports "
+                    f"float weights ({', '.join(_SAFETENSORS_DTYPES)}) and does not cast integers or booleans; "
+                    "export the unquantized float checkpoint (and use --quant to quantize)"
+                )
+        _check_shape(reader, src, tuple(wanted[name].shape), name)
+    read = {leaf for src in resolved.values() for leaf in _leaves(src)}
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # transformers ties it to the embedding
+    unread = sorted((n for n in reader.where if n not in read and n not in ignorable
+                     and not any(p.search(n) for p in IGNORABLE_TENSORS)), key=_natural)
+    if unread:
+        count = f"{len(unread)} tensors" if len(unread) > 1 else "1 tensor"
+        raise GraphkilnError(
+            f"checkpoint has {count} that nothing reads (first: '{unread[0]}'): config.json describes another "
+            f"model than the safetensors files (wrong 'num_hidden_layers' or architecture?); fix config.json"
+        )
+    return resolved
+
+
+def rope_tables_inputs(cfg: DecoderConfig) -> dict[str, tuple[torch.Tensor, float]]:
+    """inv_freq and scaling per rope flavor (validates the rope parameters; tiny tensors)."""
+    return {flavor: rope_inv_freq(cfg, flavor) for flavor in cfg.ropes}
+
+
+def check_checkpoint(model_dir: Path, family: ModelFamily, cfg: DecoderConfig) -> None:
+    """Everything about the checkpoint that can be refused from config.json and the shard headers
+    alone (see ``_plan``), without reading a weight: export runs it before creating its output."""
+    ropes = rope_tables_inputs(cfg)
+    reader = _Reader(_open_shards(model_dir))
+    _plan(reader, family, cfg, _meta_decoder(cfg, ropes))
+
+
+def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str, progress: bool = True) -> DecoderForExport:
+    torch_dtype = DTYPES[dtype]
+    ropes = rope_tables_inputs(cfg)
+    model = _meta_decoder(cfg, ropes)
+    for flavor, (inv, _) in ropes.items():  # computed buffers, not stored in checkpoints
+        setattr(model, f"inv_freq_{flavor}", inv)
+
+    reader = _Reader(_open_shards(model_dir))
+    wanted = _wanted(model, cfg)
+    sources = _plan(reader, family, cfg, model)
 
     state: dict[str, torch.Tensor] = {}
     try:
@@ -199,6 +328,28 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def find_non_finite(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str,
+                    hint: str | None = None) -> tuple[str, bool, str] | None:
+    """The checkpoint tensor holding NaN/Inf (checked in its stored type, then converted to ``dtype``),
+    as (name, only after conversion, "NaN" or "infinite"); ``hint`` (a parameter name) is looked at first. For the error
+    message once the exporter's streaming check has found a non-finite initializer: reads tensors
+    one at a time, stopping at the first bad one."""
+    reader = _Reader(_open_shards(model_dir))
+    try:
+        sources = _plan(reader, family, cfg, _meta_decoder(cfg, rope_tables_inputs(cfg)))
+        order = sorted(sources, key=lambda n: n != hint)
+        for name in order:
+            for leaf in _leaves(sources[name]):
+                for converted in (False, True):
+                    t = reader.read(leaf)
+                    t = t.to(DTYPES[dtype]) if converted else t
+                    if not bool(torch.isfinite(t).all()):
+                        return leaf, converted, "NaN" if bool(torch.isnan(t).any()) else "infinite"
+    finally:
+        reader.close()
+    return None
 
 
 def read_config(model_dir: Path) -> dict:

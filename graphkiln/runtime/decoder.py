@@ -28,6 +28,35 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
+              "tensor(bool)": "bool"}
+
+
+def _check_io(session, spec: GraphSpec) -> None:
+    """The graph's inputs and outputs are the ones its manifest declares (names, dtypes, fixed
+    dimensions): the runtime feeds and allocates by the manifest, so a manifest that disagrees
+    with its graph is refused here rather than failing inside onnxruntime at the first step."""
+    declared = {t.name for t in spec.inputs}
+    for arg in session.get_inputs():
+        if arg.name not in declared:
+            raise GraphkilnError(f"graph {spec.file} needs input {arg.name!r}, which its manifest does not declare: "
+                                 "re-export the artifact")
+    for side, tensors, args in (("input", spec.inputs, session.get_inputs()), ("output", spec.outputs, session.get_outputs())):
+        actual = {a.name: a for a in args}
+        for t in tensors:
+            a = actual.get(t.name)
+            if a is None:
+                raise GraphkilnError(f"graph {spec.file} has no {side} {t.name!r}, which its manifest declares: "
+                                     "re-export the artifact")
+            dtype = _ORT_TYPES.get(a.type, a.type)
+            shape = list(a.shape or ())  # [] when onnxruntime does not know the rank: nothing to compare
+            if dtype != t.dtype or (shape and len(shape) != len(t.shape)) or any(
+                    isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(shape, t.shape)):
+                raise GraphkilnError(f"graph {spec.file} {side} {t.name!r} is {dtype} {shape}, but its manifest says "
+                                     f"{t.dtype} {list(t.shape)}: re-export the artifact")
+
+
 class DecoderGraph:
     """Runs prefill and decode steps; reads the cache prefix ``[:n]`` and writes new rows into it."""
 
@@ -52,9 +81,10 @@ class DecoderGraph:
                     "re-export with --dtype fp16 or fp32 for CPU"
                 ) from None
             raise GraphkilnError(
-                f"onnxruntime cannot load {spec.file} ({str(exc).splitlines()[0][:200]}): "
+                f"onnxruntime cannot load {spec.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
                 "re-export the artifact (for CPU use --dtype fp32 or fp16)"
             ) from None
+        _check_io(self.session, spec)
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
         self.states = [(t.role, t.layer, t.name) for t in spec.inputs if t.layer is not None]
         self.outputs = [t.name for t in spec.outputs]

@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
+import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from graphkiln.artifact import verify_checksums
+from graphkiln.artifact import check_artifact, is_sha256
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
 from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
-from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
-from graphkiln.runtime.sampling import SamplingParams, log_softmax, select_token, top_logprobs
+from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
+from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
 from graphkiln.runtime.state import StatePool
 from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 KNOWN_STATE_KINDS = {"kv", "conv"}
 KNOWN_STATE_UPDATES = {"scatter_rows", "in_place", "slot_rows"}  # see graphkiln.manifest
 Prompt = str | Sequence[int]
+BUSY = "this Engine is already generating: use one Engine per concurrent caller"
+# Padded prompt positions are masked out of attention and of the returned state rows, so any
+# in-vocabulary id will do; the checkpoint's pad_token_id is not trusted to be one.
+PAD_ID = 0
+
+
+class NonFiniteLogitsError(GraphkilnError):
+    """The model produced NaN/Inf logits for ``request`` when choosing its ``step``-th token
+    (1-based); a broken artifact, never a sampling setting."""
+
+    def __init__(self, request: int, step: int) -> None:
+        super().__init__(f"the model produced NaN/Inf logits at step {step} of request {request}: the artifact's "
+                         "weights are broken; re-export (graphkiln verify shows where)")
+        self.request, self.step = request, step
 
 
 @dataclass
@@ -46,9 +63,23 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None) -> None:
+    """A loaded artifact and the state pools it generates with.
+
+    One generation session at a time: ``generate``, ``prompt_logits`` and a ``stream`` from its
+    first item until it is exhausted, closed (``close()``) or garbage-collected hold the engine,
+    and any other call made meanwhile, from this or another thread, raises GraphkilnError
+    "this Engine is already generating" at once instead of waiting (waiting would deadlock a
+    thread that holds an open stream, and would hide that calls are being serialized). The
+    guard is a lock taken without blocking before any work, so it is atomic. Concurrent
+    callers should each load their own Engine; engines share nothing.
+    """
+
+    def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None, *,
+                 manifest_digest: str | None = None) -> None:
+        """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
         self.artifact_dir = artifact_dir
         self.manifest = manifest
+        self.manifest_digest = manifest_digest  # sha256 of manifest.json, when loaded from disk
         unknown = {s.kind for s in manifest.states} - KNOWN_STATE_KINDS
         if unknown:
             raise GraphkilnError(f"artifact needs state kind(s) {sorted(unknown)} this runtime does not support: upgrade graphkiln")
@@ -63,23 +94,33 @@ class Engine:
                     f"artifact uses custom op {op.domain}.{op.name} v{op.version}, which this graphkiln does not know: "
                     "upgrade graphkiln or re-export the artifact with this version"
                 )
+        if threads is not None and not (_is_int(threads) and threads >= 1):
+            raise GraphkilnError(f"threads must be an integer >= 1, got {threads!r}: omit it to use every core")
         self.decoder = DecoderGraph(artifact_dir, manifest.graph("decoder"), threads)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
         self.pool = StatePool(manifest.states, self.state_dtype)
         tok = artifact_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
+        self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True) -> "Engine":
-        """Open an artifact. ``check_files`` verifies every file's sha256 against the manifest."""
+    def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True,
+             expected_digest: str | None = None) -> "Engine":
+        """Open an artifact. The manifest is validated and every path in it must stay inside the
+        artifact; ``check_files`` verifies every file's sha256 against the manifest;
+        ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
+        the artifact: any other manifest, hence (files are then always checked) any other file,
+        is refused."""
         root = Path(artifact_dir)
+        if expected_digest is not None and not is_sha256(expected_digest):
+            raise GraphkilnError(f"expected digest {expected_digest!r} is not a sha256 (64 hex digits): "
+                                 "copy the digest line of 'graphkiln inspect'")
         if not root.is_dir():
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
-        manifest = Manifest.read(root)
-        if check_files:
-            verify_checksums(root, manifest)
-        return cls(root, manifest, threads)
+        manifest, digest = Manifest.read_with_digest(root, expected_digest)
+        check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
+        return cls(root, manifest, threads, manifest_digest=digest)
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -89,7 +130,14 @@ class Engine:
                 raise GraphkilnError("this artifact has no tokenizer.json: pass token ids (--prompt-ids) instead of text")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = list(prompt)
+            except TypeError:
+                raise GraphkilnError(f"a prompt is text or a sequence of token ids, got {prompt!r}") from None
+            bad = [t for t in ids if not _is_int(t)]
+            if bad:
+                raise GraphkilnError(f"prompt token {bad[0]!r} is not an integer id: pass a list of ints (or text)")
+            ids = [int(t) for t in ids]
         if not ids:
             raise GraphkilnError("prompt is empty: give at least one token")
         vocab = self.manifest.model.vocab_size
@@ -111,16 +159,22 @@ class Engine:
             max_new_tokens=d.max_new_tokens if c.max_new_tokens is None else c.max_new_tokens,
             stop_token_ids=d.eos_token_ids if c.stop_token_ids is None else tuple(c.stop_token_ids),
         )
-        if c.max_new_tokens < 0:
-            raise GraphkilnError("max_new_tokens must be >= 0")
+        if not _is_int(c.max_new_tokens) or c.max_new_tokens < 0:
+            raise GraphkilnError(f"max_new_tokens must be an integer >= 0, got {c.max_new_tokens!r}: "
+                                 "pass GenerationConfig(max_new_tokens=N)")
         params = SamplingParams(
             do_sample=d.do_sample if c.do_sample is None else c.do_sample,
             temperature=d.temperature if c.temperature is None else c.temperature,
             top_k=d.top_k if c.top_k is None else c.top_k,
             top_p=d.top_p if c.top_p is None else c.top_p,
         )
-        if not 0 < params.top_p <= 1 or params.top_k < 0 or params.temperature < 0:
-            raise GraphkilnError("sampling settings out of range: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        # Written so that NaN fails every comparison (an artifact's defaults are untrusted too).
+        if not (0 < params.top_p <= 1 and _is_int(params.top_k) and params.top_k >= 0
+                and 0 <= params.temperature < math.inf):
+            raise GraphkilnError(
+                f"sampling settings out of range (temperature {params.temperature!r}, top_k {params.top_k!r}, "
+                f"top_p {params.top_p!r}, from these settings or the artifact's defaults): need a finite "
+                "temperature >= 0, top_k >= 0, 0 < top_p <= 1; pass valid values in GenerationConfig")
         if c.stop_strings and self.tokenizer is None:
             raise GraphkilnError("stop strings need a tokenizer and this artifact has none: use stop token ids")
         return c, params
@@ -148,34 +202,52 @@ class Engine:
         return results
 
     def stream(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
-        """Yield tokens as they are produced; closing the iterator cancels the remaining work."""
+        """Yield tokens as they are produced; closing the iterator cancels the remaining work.
+
+        From its first item until it is exhausted, closed or garbage-collected the stream holds
+        the engine (see the class docstring): close an abandoned stream before the next call."""
         return self._run(self._as_batch(prompts), config, [])
 
     @staticmethod
     def _as_batch(prompts) -> list[Prompt]:
         if isinstance(prompts, np.ndarray):
             return [prompts] if prompts.ndim == 1 else list(prompts)
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        # a sequence of numbers is one prompt (encode refuses the ones that are not token ids)
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, float, np.number))):
             return [prompts]
         return list(prompts)
 
     def prompt_logits(self, prompt_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill."""
-        ids = [self.encode(p) for p in prompt_ids]
-        longest = max(map(len, ids))
-        self.pool.reserve(len(ids), longest)
-        slots = [self.pool.claim() for _ in ids]
+        """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill.
+
+        Raw logits: NaN/Inf are returned as they are (``graphkiln verify`` reports them)."""
+        with self._exclusive():
+            ids = [self.encode(p) for p in prompt_ids]
+            if not ids:
+                raise GraphkilnError("prompt_logits needs at least one prompt")
+            longest = max(map(len, ids))
+            self.pool.reserve(len(ids), longest)
+            slots = [self.pool.claim() for _ in ids]
+            try:
+                logits = self._prefill(ids, np.tile(np.arange(longest), (len(ids), 1)))
+            finally:
+                for slot in reversed(slots):
+                    self.pool.release(slot)
+            return [logits[b, : len(p)].copy() for b, p in enumerate(ids)]  # the graph reuses its logits buffer
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the engine for one session, or refuse at once if another holds it."""
+        if not self._busy.acquire(blocking=False):
+            raise GraphkilnError(BUSY)
         try:
-            logits = self._prefill(ids, np.tile(np.arange(longest), (len(ids), 1)))
+            yield
         finally:
-            for slot in reversed(slots):
-                self.pool.release(slot)
-        return [logits[b, : len(p)].copy() for b, p in enumerate(ids)]  # the graph reuses its logits buffer
+            self._busy.release()
 
     def _prefill(self, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
         n, longest = len(ids), max(map(len, ids))
-        pad = self.manifest.generation.pad_token_id or 0
-        input_ids = np.full((n, longest), pad, np.int64)
+        input_ids = np.full((n, longest), PAD_ID, np.int64)
         for b, p in enumerate(ids):
             input_ids[b, : len(p)] = p
         positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
@@ -183,6 +255,13 @@ class Engine:
         return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths)
 
     def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
+        """The events of one session; holds the engine from the first item until the generator
+        finishes, fails or is closed (``yield from`` passes a close on to ``_steps``, whose
+        ``finally`` frees the slots before the engine is released)."""
+        with self._exclusive():
+            yield from self._steps(prompts, config, reqs)
+
+    def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
         if not prompts:
             return
         cfg, params = self._resolve(config)
@@ -198,8 +277,6 @@ class Engine:
         if not active:
             return
         capacity = max(r.position + r.budget for r in active)
-        if self.pool.live:
-            raise GraphkilnError("this Engine is already generating: use one Engine per concurrent caller")
         self.pool.reserve(len(active), capacity)
         by_slot: list[_Request] = []  # by_slot[s] is the request in slot s == batch row s
         try:
@@ -236,7 +313,10 @@ class Engine:
     def _advance(self, r: _Request, logits: np.ndarray, cfg: GenerationConfig, params: SamplingParams,
                  stop_ids: set[int]) -> TokenEvent:
         """Choose request r's next token, update its text and stop state, describe it as an event."""
-        token = select_token(logits, params, r.rng)
+        try:
+            token = select_token(logits, params, r.rng)
+        except NonFiniteLogits:
+            raise NonFiniteLogitsError(r.index, len(r.tokens) + 1) from None
         r.tokens.append(token)
         if cfg.output_logits:
             r.logits.append(logits.copy())

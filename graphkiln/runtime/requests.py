@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from graphkiln.errors import GraphkilnError
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,35 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None
     output_logits: bool = False  # keep each step's raw logits (for parity checks)
+
+    def __post_init__(self) -> None:
+        """Refuse values that would crash deep inside numpy or silently mean something else
+        (a NaN temperature ran greedy, an empty stop string stopped after one token)."""
+        for name in ("max_new_tokens", "top_k", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is None and name != "seed":
+                continue
+            if not _is_int(value) or value < 0:
+                raise GraphkilnError(f"{name} must be an integer >= 0, got {value!r}: pass e.g. {name}=0")
+        if self.temperature is not None and not (_is_real(self.temperature) and 0 <= self.temperature < math.inf):
+            raise GraphkilnError(f"temperature must be a finite number >= 0, got {self.temperature!r}: "
+                                 "use 0 for greedy, e.g. 0.7 to sample")
+        if self.top_p is not None and not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise GraphkilnError(f"top_p must be a number in (0, 1], got {self.top_p!r}: use 1 to disable it")
+        if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
+            raise GraphkilnError(f"stop_token_ids must be integers, got {tuple(self.stop_token_ids)!r}")
+        if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise GraphkilnError(f"stop_strings must be a tuple of non-empty strings, got {self.stop_strings!r}: "
+                                 "an empty stop string would stop after the first token")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    """An int or float (NaN included: range checks written as ``lo <= x <= hi`` refuse it)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,36 @@ class SamplingParams:
         return not self.do_sample or self.temperature <= 0
 
 
+class NonFiniteLogits(ValueError):
+    """The row to choose from has a NaN or +Inf (or is all -Inf): there is no distribution to
+    choose from. The engine turns it into a GraphkilnError that names the request and step."""
+
+
 def select_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token from one row of logits; raises ``NonFiniteLogits`` instead of choosing
+    from a row with a NaN or +Inf, or with no finite value.
+
+    The check costs no extra pass in the greedy path: argmax returns the first NaN's index if
+    there is one, so the chosen logit is non-finite exactly when the row is unusable (-Inf
+    elsewhere is a legitimate zero probability). Sampling takes the row's max, which NaN
+    propagates through.
+    """
     if params.greedy:
-        return int(np.argmax(logits))
-    x = logits.astype(np.float64) / params.temperature
+        token = int(np.argmax(logits))
+        if not np.isfinite(logits[token]):
+            raise NonFiniteLogits(token)
+        return token
+    top = logits.max()
+    if not np.isfinite(top):
+        raise NonFiniteLogits(top)
+    # Shift before dividing: the max becomes 0 whatever the temperature, so a tiny temperature
+    # sends the rest to -inf (probability 0) instead of overflowing to inf - inf = NaN.
+    with np.errstate(over="ignore"):  # overflow here is to -inf: probability 0, as meant
+        x = (logits.astype(np.float64) - float(top)) / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x < kth, -np.inf, x)
-    probs = np.exp(x - x.max())
+    probs = np.exp(x)
     probs /= probs.sum()
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

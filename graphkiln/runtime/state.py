@@ -20,9 +20,13 @@ address, passed to the graph without copying, which is also what CUDA-graph repl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import StateSpec
+from graphkiln.memory import available_memory
 
 
 class StatePool:
@@ -41,11 +45,16 @@ class StatePool:
     # -- sizing ---------------------------------------------------------------------------
 
     def reserve(self, slots: int, capacity: int) -> None:
-        """Size the pool to exactly ``slots`` x ``capacity`` tokens; only between sessions."""
+        """Size the pool to exactly ``slots`` x ``capacity`` tokens; only between sessions.
+
+        Refuses (GraphkilnError, pool unchanged) when the memory it would newly allocate is
+        more than the machine has available: numpy's zeroed allocation succeeds lazily and
+        the process would die in the OOM killer halfway through a generation instead."""
         if self.live:
             raise RuntimeError("StatePool.reserve while slots are live")
         if (slots, capacity) == (self.slots, self.capacity):
             return
+        self._check_memory(slots, capacity)
         self.slots, self.capacity = slots, capacity
         self.generation += 1
         self.keys, self.values, self.conv = {}, {}, {}
@@ -58,6 +67,34 @@ class StatePool:
             elif spec.kind == "conv":
                 for layer in spec.layers:
                     self.conv[layer] = self._carve(("conv", layer), (slots, spec.channels, spec.width))
+
+    def _shapes(self, slots: int, capacity: int) -> dict[tuple[str, int], tuple[int, ...]]:
+        shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+        for spec in self.specs:
+            if spec.kind == "kv":
+                for layer in spec.layers:
+                    shapes["key", layer] = shapes["value", layer] = (slots, spec.num_kv_heads, capacity, spec.head_dim)
+            elif spec.kind == "conv":
+                for layer in spec.layers:
+                    shapes["conv", layer] = (slots, spec.channels, spec.width)
+        return shapes
+
+    def _check_memory(self, slots: int, capacity: int) -> None:
+        """Refuse a size whose new backing memory exceeds what is available (exact Python
+        ints: a huge manifest value must not overflow into a small number)."""
+        needed = 0
+        for key, shape in self._shapes(slots, capacity).items():
+            size = math.prod(shape)
+            buf = self._backing.get(key)
+            if buf is None or buf.size < size:
+                needed += size * self.dtype.itemsize
+        available = available_memory()
+        if available is not None and needed > available:
+            raise GraphkilnError(
+                f"the state pools for {slots} request(s) x {capacity} tokens need {_gib(needed)} of memory but "
+                f"only {_gib(available)} is available: lower --max-new-tokens (max_new_tokens) or the batch size, "
+                "or re-export with a smaller --max-seq-len"
+            )
 
     def _carve(self, key: tuple[str, int], shape: tuple[int, ...]) -> np.ndarray:
         """A C-contiguous array of ``shape`` over the front of ``key``'s backing memory, which
@@ -125,3 +162,7 @@ class StatePool:
 
     def write_conv(self, layer: int, rows: np.ndarray, slot_idx: np.ndarray) -> None:
         self.conv[layer][slot_idx] = rows
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
