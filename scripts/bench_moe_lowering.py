@@ -32,8 +32,8 @@ def build_model(args, rng):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from graphkiln.export.custom_ops import moe
-    from graphkiln.export.custom_ops.spec import DOMAIN
+    from graphkiln.ops import moe
+    from graphkiln.ops.spec import DOMAIN
 
     e, i, h = args.experts, args.intermediate, args.hidden
     weights = {

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from graphkiln.export.custom_ops import registry as R
-from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.ops.spec import DOMAIN
 
 OPSET = 23
 FACES = ("torch", "onnx")

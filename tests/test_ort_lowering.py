@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 from graphkiln.export.custom_ops import registry as R  # noqa: E402
-from graphkiln.export.custom_ops.spec import DOMAIN  # noqa: E402
+from graphkiln.ops.spec import DOMAIN  # noqa: E402
 from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime  # noqa: E402
 
 E, I, H = 8, 12, 32

@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from conftest import PARITY_CASES
-from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.ops.spec import DOMAIN
 from graphkiln.runtime import Engine, GenerationConfig
 
 MS = "com.microsoft"

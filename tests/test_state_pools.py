@@ -105,7 +105,7 @@ def test_manifest_describes_every_state_kind_and_its_layers(tiny):
 
 @pytest.mark.parametrize("name", ["lfm2_moe", "qwen3_moe"])
 def test_every_custom_node_carries_the_plugin_attributes(tiny, name):
-    from graphkiln.export.custom_ops.registry import specs
+    from graphkiln.ops import specs
 
     case = tiny(name)
     model = onnx.load(str(case.artifact / "decoder.onnx"), load_external_data=False)

@@ -90,7 +90,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     import onnx
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from graphkiln.export.custom_ops.spec import DOMAIN
+    from graphkiln.ops.spec import DOMAIN
     from graphkiln.export.external_data import rewrite_external_data
     from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
     from graphkiln.export.lowering.ort_fusions import fuse_skip_rmsnorm, pack_gqa_qkv

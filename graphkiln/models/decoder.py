@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
 
     def forward(self, x, rope_tables, position_ids, past_k, past_v):
-        from graphkiln.export.custom_ops.registry import torch_op
+        from graphkiln.ops import torch_op
 
         b, s, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -99,7 +99,7 @@ class ShortConv(nn.Module):
         self.channels = h
 
     def forward(self, x, pool, slot_idx, seq_lens):
-        from graphkiln.export.custom_ops.registry import torch_op
+        from graphkiln.ops import torch_op
 
         b_gate, c_gate, xs = self.in_proj(x).chunk(3, dim=-1)
         weight = self.conv.weight.squeeze(1)
@@ -140,7 +140,7 @@ class MoE(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts)) if cfg.moe.expert_bias else None
 
     def forward(self, x):
-        from graphkiln.export.custom_ops.registry import torch_op
+        from graphkiln.ops import torch_op
 
         m = self.cfg
         b, s, h = x.shape

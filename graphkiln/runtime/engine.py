@@ -345,7 +345,7 @@ class Engine:
 
 
 def _known_custom_ops() -> set[tuple[str, str, int]]:
-    from graphkiln.export.custom_ops.registry import specs  # torch-free
+    from graphkiln.ops import specs  # torch-free
 
     return {(s.domain, s.name, s.version) for s in specs().values()}
 

@@ -1,44 +1,10 @@
-"""Derive every face of every custom op from its module (see package docstring)."""
+"""Derive every export face of every custom op from its definition in ``graphkiln.ops``."""
 
 from __future__ import annotations
 
-import importlib
 from functools import cache
-from types import ModuleType
 
-from graphkiln.export.custom_ops.spec import DOMAIN, CustomOpSpec
-
-OP_MODULES = ("attention", "moe", "short_conv")
-
-
-@cache
-def op_modules() -> dict[str, ModuleType]:
-    mods = [importlib.import_module(f"graphkiln.export.custom_ops.{m}") for m in OP_MODULES]
-    return {m.SPEC.name: m for m in mods}
-
-
-def specs() -> dict[str, CustomOpSpec]:
-    """Every known custom op by ONNX name; importing this needs neither torch nor onnx."""
-    return {name: m.SPEC for name, m in op_modules().items()}
-
-
-@cache
-def register_torch_ops() -> None:
-    """Define ``torch.ops.graphkiln.*`` with each module's reference as the implementation."""
-    import torch
-
-    for m in op_modules().values():
-        spec = m.SPEC
-        torch.library.define(spec.torch_qualname, spec.torch_schema())
-        torch.library.impl(spec.torch_qualname, "CompositeExplicitAutograd")(m.reference)
-        torch.library.register_fake(spec.torch_qualname)(m.fake)
-
-
-def torch_op(name: str):
-    import torch
-
-    register_torch_ops()
-    return getattr(torch.ops.graphkiln, specs()[name].torch_name).default
+from graphkiln.ops import DOMAIN, CustomOpSpec, op_modules, register_torch_ops, specs, torch_op
 
 
 @cache

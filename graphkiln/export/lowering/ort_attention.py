@@ -28,7 +28,7 @@ import dataclasses
 import onnx
 from onnx import TensorProto, helper
 
-from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.ops.spec import DOMAIN
 from graphkiln.manifest import GraphSpec, TensorSpec
 
 MS_DOMAIN = "com.microsoft"

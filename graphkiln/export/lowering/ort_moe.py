@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.ops.spec import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
 MOE_OP = "MoE"

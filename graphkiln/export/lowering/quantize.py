@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkiln.export.custom_ops.spec import DOMAIN
+from graphkiln.ops.spec import DOMAIN
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope, _drop_unused_initializers
 
 QUANT_BITS = {"int4": 4, "int8": 8}

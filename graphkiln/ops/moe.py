@@ -14,7 +14,7 @@ where a model has one, is an ordinary MLP outside this op.
 
 from __future__ import annotations
 
-from graphkiln.export.custom_ops.spec import AttrSpec, CustomOpSpec
+from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 SPEC = CustomOpSpec(
     name="MoE",

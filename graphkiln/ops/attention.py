@@ -24,7 +24,7 @@ standard-ONNX body for runtimes that have neither.
 
 from __future__ import annotations
 
-from graphkiln.export.custom_ops.spec import AttrSpec, CustomOpSpec
+from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 SPEC = CustomOpSpec(
     name="Attention",

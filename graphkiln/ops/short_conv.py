@@ -14,7 +14,7 @@ the state. The op returns the rows; the caller writes them back into ``state_poo
 
 from __future__ import annotations
 
-from graphkiln.export.custom_ops.spec import AttrSpec, CustomOpSpec
+from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 SPEC = CustomOpSpec(
     name="ShortConv",
