@@ -13,6 +13,12 @@ logits are spread out (greedy choices are not near-ties) while staying a sane si
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels (graphkiln.plugins_trt.kernels) run on CPU tensors in the interpreter; it must
+# be chosen before any @triton.jit decorator runs, i.e. before a kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import json
 import shutil
 from dataclasses import dataclass
