@@ -118,3 +118,26 @@ def compile_kernel(spec: KernelSpec, dtype: str, constexprs: Mapping[str, object
     if dtype not in TRITON_DTYPES:
         raise ValueError(f"dtype {dtype} is not one of {sorted(TRITON_DTYPES)}")
     return _compile(spec, dtype, tuple(sorted(constexprs.items())), arch, num_warps)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a plugin launches one kernel for given shapes: the kernel, its compile-time values,
+    the grid (x, y, z) and the int32 scalars it takes between inputs and outputs.
+
+    Built by each kernel module's ``launch_plan`` from shapes whose entries are either ints
+    (the CPU tests, the Python launchers) or TensorRT's symbolic ``SymInt32`` expressions
+    (the plugin's ``aot_impl``): plan functions use only ``+ - *``, ``//`` by constants is NOT
+    allowed — they call the ``cdiv`` they are given (``trtp.cdiv`` or ``ceil_div``) — so one
+    plan serves both.
+    """
+
+    kernel: KernelSpec
+    constexprs: Mapping[str, object]
+    grid: tuple[object, object, object]
+    scalars: tuple[object, ...]
+    num_warps: int = 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
