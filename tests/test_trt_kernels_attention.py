@@ -1,0 +1,362 @@
+"""The ``graphkiln.Attention`` Triton kernels (``graphkiln.plugins_trt.kernels.attention``).
+
+Numerics run in the Triton interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1) and
+are checked against the op's torch reference (kv_update=0: out, new_key, new_value) plus an
+explicit scatter of new_key/new_value into a copy of the cache — the kv_update=1 contract the
+kernel implements in place. Cache rows no token may see (positions >= a row's start) are filled
+with a large poison value first, so a kernel that read them would be far off.
+
+AOT: every KernelSpec compiles to PTX for sm_80 and sm_90 in fp16, bf16 and fp32 with exactly
+(8 input pointers, 3 int32 scalars, 3 output pointers) — in a subprocess without
+TRITON_INTERPRET: once a kernel has run in the interpreter, Triton 3.2 has patched
+``triton.language`` with the interpreter's builder for the rest of the process, and
+compiling anything there fails.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from graphkiln.ops.attention import SPEC, reference
+from graphkiln.plugins_trt.kernels import aot
+from graphkiln.plugins_trt.kernels.attention import DECODE, KERNELS, PREFILL, launch_plan, run_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = tuple(TOL)
+POISON = 1000.0  # cache rows at positions >= a row's start: never visible
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_fixes():
+    """Three Triton 3.2 interpreter bugs that are not the kernel's, fixed for this module only
+    so the interpreter computes what the compiled kernel does:
+    * with the NumPy installed (2.4), ``range()`` over a runtime bound fails (the interpreter's scalars are
+      1-element arrays, and ``int()`` of those is now an error);
+    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns: bf16 operands are converted
+      exactly to fp32, what the GPU's bf16 MMA multiplies (accumulating in fp32);
+    * fp32 -> bf16 casts truncate, where compiled Triton (and torch) round to nearest even."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    orig_patch, orig_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
+    orig_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interp.TensorHandle(bits.view(np.uint16), tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    def patch_lang_tensor(tensor):
+        orig_patch(tensor)
+        tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(h):
+            if h.dtype == tl.bfloat16:
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+        return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
+        mp.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
+        mp.setattr(interp.InterpreterBuilder, "cast_impl", cast_impl)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------
+# cases
+
+
+@dataclass(frozen=True)
+class Case:
+    nq: int
+    nkv: int
+    d: int
+    cache: int  # C
+    window: int
+    starts: tuple[int, ...]  # position_ids[b, 0]
+    seq: int = 1  # S
+    lengths: tuple[int, ...] | None = None  # real tokens per row (the rest is padding); None = all
+    block_m: int | None = None
+    block_n: int | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.starts)
+
+
+def _tables(positions: int, d: int):
+    inv = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv
+    return freqs.cos() * 1.1, freqs.sin() * 1.1  # a rope-scaling factor folded in, as export does
+
+
+def _inputs(case: Case, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b, s = case.batch, case.seq
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = randn(b, s, case.nq * case.d), randn(b, s, case.nkv * case.d), randn(b, s, case.nkv * case.d)
+    past_k, past_v = randn(b, case.nkv, case.cache, case.d), randn(b, case.nkv, case.cache, case.d)
+    for i, start in enumerate(case.starts):
+        past_k[i, :, start:] = POISON
+        past_v[i, :, start:] = -POISON
+    pos = torch.tensor(case.starts, dtype=torch.int64)[:, None] + torch.arange(s)[None]
+    cos, sin = _tables(max(case.starts) + s + 1, case.d)
+    return q, k, v, past_k, past_v, pos, cos, sin
+
+
+def _expected(case: Case, q, k, v, past_k, past_v, pos, cos, sin):
+    """Reference out, and the cache with every new row scattered at its position (< C)."""
+    out, new_k, new_v = reference(q, k, v, past_k, past_v, pos, cos, sin, case.nq, case.nkv, case.window,
+                                  case.d ** -0.5)
+    want_k, want_v = past_k.clone(), past_v.clone()
+    written = torch.zeros(past_k.shape[0], past_k.shape[2], dtype=torch.bool)
+    for b in range(case.batch):
+        for s in range(case.seq):
+            p = int(pos[b, s])
+            if p < case.cache:
+                want_k[b, :, p], want_v[b, :, p] = new_k[b, :, s], new_v[b, :, s]
+                written[b, p] = True
+    return out, want_k, want_v, written
+
+
+def _assert_close(got, want, rel: float, what: str) -> None:
+    """max |got - want| <= rel * max |want| (error relative to the output's scale)."""
+    got, want = got.double(), want.double()
+    scale = max(float(want.abs().max()), 1e-6)
+    err = float((got - want).abs().max())
+    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * scale {scale:.3g}"
+
+
+def _check(case: Case, dtype, seed: int, kernel=None) -> None:
+    q, k, v, past_k, past_v, pos, cos, sin = _inputs(case, dtype, seed)
+    want_out, want_k, want_v, written = _expected(case, q, k, v, past_k, past_v, pos, cos, sin)
+    cache_k, cache_v = past_k.clone(), past_v.clone()  # present_* alias past_*: the kernel writes these
+    out = run_attention(q, k, v, cache_k, cache_v, pos, cos, sin, case.nq, case.nkv, case.window, case.d ** -0.5,
+                        kernel=kernel, block_m=case.block_m, block_n=case.block_n)
+    tol = TOL[dtype]
+    lengths = case.lengths or (case.seq,) * case.batch
+    for b, n in enumerate(lengths):  # padding tokens' outputs are not part of the contract
+        _assert_close(out[b, :n], want_out[b, :n], tol, f"out row {b}")
+    # Untouched rows are bit-identical (poison included); written values are plain copies.
+    keep = ~written[:, None, :, None].expand_as(past_k)
+    assert torch.equal(cache_k[keep], past_k[keep]) and torch.equal(cache_v[keep], past_v[keep])
+    # Rotated keys are rounded per op like the reference's, so they match it exactly.
+    assert torch.equal(cache_v, want_v)
+    diff = (cache_k.double() - want_k.double()).abs().max()
+    assert torch.equal(cache_k, want_k), f"present_key differs by {diff:.3g}"
+
+
+DECODE_CASES = {
+    "gqa": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 17, 39)),  # start 0: only the new key
+    "mha-window": Case(nq=2, nkv=2, d=32, cache=24, window=6, starts=(5, 23)),
+    # start 40 = C: its new row is not written
+    "mqa-d24-blocks": Case(nq=4, nkv=1, d=24, cache=40, window=0, starts=(0, 38, 40), block_n=16),
+    "gqa3-window-blocks": Case(nq=6, nkv=2, d=16, cache=70, window=20, starts=(69, 33, 2), block_n=16),
+}
+
+PREFILL_CASES = {
+    # ragged rows: different starts and real lengths; the last row runs past C (those positions are skipped)
+    "gqa": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 7, 30), seq=16, lengths=(16, 5, 9)),
+    "mha-window-tiles": Case(nq=2, nkv=2, d=32, cache=32, window=5, starts=(3, 0), seq=12, lengths=(12, 7),
+                             block_m=4, block_n=16),
+    "mqa-d24-tiles": Case(nq=4, nkv=1, d=24, cache=48, window=0, starts=(20, 1, 33), seq=10, lengths=(10, 10, 3),
+                          block_m=2, block_n=16),
+    "gqa3-window": Case(nq=6, nkv=2, d=16, cache=40, window=7, starts=(9, 25), seq=14, lengths=(14, 6)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_matches_reference(name, dtype):
+    _check(DECODE_CASES[name], dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_matches_reference(name, dtype):
+    _check(PREFILL_CASES[name], dtype, seed=2)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha-window-tiles"])
+def test_decode_kernel_is_correct_for_any_seq_len(name):
+    """TensorRT may pick either tactic for any profile: the decode form must not assume S == 1."""
+    case = PREFILL_CASES[name]
+    _check(Case(**{**case.__dict__, "block_m": None}), torch.float32, seed=3, kernel=DECODE)
+
+
+def test_prefill_kernel_is_correct_for_one_token():
+    _check(DECODE_CASES["gqa3-window-blocks"], torch.float32, seed=4, kernel=PREFILL)
+
+
+def test_poisoned_cache_would_be_seen():
+    """The poison test has teeth: making the poison visible (start past it) changes out."""
+    case = DECODE_CASES["gqa"]
+    q, k, v, past_k, past_v, pos, cos, sin = _inputs(case, torch.float32, 5)
+    out = run_attention(q, k, v, past_k.clone(), past_v.clone(), pos, cos, sin, case.nq, case.nkv, 0, 0.25)
+    later = pos + 1  # now cache position start (poisoned) is < start and visible
+    cos2, sin2 = _tables(int(later.max()) + 1, case.d)
+    out2 = run_attention(q, k, v, past_k.clone(), past_v.clone(), later, cos2, sin2, case.nq, case.nkv, 0, 0.25)
+    assert (out2[1:] - out[1:]).abs().max() > 10  # rows with start < C now see a poisoned key
+
+
+# ----------------------------------------------------------------------------------------------
+# launch plans
+
+
+class Sym:
+    """A stand-in for TensorRT's symbolic dims: supports only what launch_plan may use."""
+
+    def __init__(self, expr: str):
+        self.expr = expr
+
+    def _op(self, other, op):
+        return Sym(f"({self.expr} {op} {other.expr if isinstance(other, Sym) else other})")
+
+    def __add__(self, other):
+        return self._op(other, "+")
+
+    def __sub__(self, other):
+        return self._op(other, "-")
+
+    def __mul__(self, other):
+        return self._op(other, "*")
+
+    __radd__, __rmul__ = __add__, __mul__
+
+    def __floordiv__(self, other):
+        raise AssertionError("launch_plan must use cdiv, not //")
+
+
+def _sym_cdiv(a, b):
+    return Sym(f"cdiv({a.expr if isinstance(a, Sym) else a}, {b})")
+
+
+@pytest.mark.parametrize("kernel,block_m", [(DECODE, 1), (PREFILL, 32)])
+def test_launch_plan_with_symbolic_shapes(kernel, block_m):
+    b, s, c, p = Sym("B"), Sym("S"), Sym("C"), Sym("P")
+    plan = launch_plan(8, 4, 0, 0.125, (b, s, 8 * 64), (b, 4, c, 64), (p, 32), _sym_cdiv, dtype="float16",
+                       kernel=kernel)
+    assert plan.kernel is kernel
+    assert plan.grid[0].expr == f"cdiv(S, {block_m})" and plan.grid[1] == 4 and plan.grid[2] is b
+    assert [x.expr for x in plan.scalars] == ["S", "C", "P"]
+    assert plan.constexprs["BLOCK_M"] == block_m and plan.constexprs["ROWS"] >= 16
+
+
+def test_launch_plan_chooses_by_seq_len():
+    assert launch_plan(4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)).kernel is DECODE
+    assert launch_plan(4, 2, 0, 0.25, (2, 7, 64), (2, 2, 8, 16), (8, 8)).kernel is PREFILL
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((4, 2, 0, 0.25, (2, 1, 4 * 15), (2, 2, 8, 15), (8, 7)), {}, "head_dim 15"),  # odd: rotate-half needs pairs
+    ((4, 2, 0, 0.25, (2, 1, 4 * 512), (2, 2, 8, 512), (8, 256)), {}, "head_dim 512"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, Sym("D")), (8, 8)), {}, "build-time constant"),
+    ((6, 4, 0, 0.25, (2, 1, 96), (2, 4, 8, 16), (8, 8)), {}, "not a multiple"),
+    ((4, 2, -1, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {}, "window -1"),
+    ((4, 2, 0, 0.25, (2, Sym("S"), 64), (2, 2, 8, 16), (8, 8)), {}, "symbolic"),
+    ((4, 2, 0, 0.25, (2, 1, 60), (2, 2, 8, 16), (8, 8)), {}, "q's last dim"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"dtype": "int8"}, "dtype int8"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"block_m": 3}, "block_m 3"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"block_n": 8}, "block_n 8"),
+])
+def test_launch_plan_refuses(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch_plan(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# ahead-of-time compilation
+
+AOT_DTYPES = ("float16", "bfloat16", "float32")
+# (kernel, Nq, Nkv, D, window): both constexpr branches (window on/off), a non-power-of-two head
+AOT_CASES = {"attention_decode": (4, 1, 24, 0), "attention_prefill": (4, 2, 32, 4)}
+LARGE_D = 128  # a real model's head: shared memory must stay within the 48 KiB no-opt-in launch limit
+
+_AOT_SCRIPT = """
+import json, sys
+from graphkiln.plugins_trt.kernels import aot
+from graphkiln.plugins_trt.kernels.attention import KERNELS, DECODE, launch_plan
+cases, dtypes, large_d = json.loads(sys.argv[1])
+rows = []
+def compile_one(spec, nq, nkv, d, window, dtype, arch):
+    s = 1 if spec is DECODE else 16
+    plan = launch_plan(nq, nkv, window, d ** -0.5, (2, s, nq * d), (2, nkv, 64, d), (128, d // 2), dtype=dtype,
+                       kernel=spec)
+    ck = aot.compile_kernel(spec, dtype, plan.constexprs, arch, plan.num_warps)
+    rows.append(dict(kernel=spec.name, dtype=dtype, arch=arch, d=d, params=list(ck.params),
+                     expected=list(aot.expected_params(spec)), shared=ck.shared_mem, name=ck.name,
+                     target=f"sm_{arch}" in ck.ptx, threads=ck.block_threads))
+for spec in KERNELS:
+    nq, nkv, d, window = cases[spec.name]
+    for dtype in dtypes:
+        for arch in aot.ARCHS:
+            compile_one(spec, nq, nkv, d, window, dtype, arch)
+    if spec is not DECODE:  # the larger tiles: q rows x D and K/V blocks x D
+        for dtype in ("float16", "float32"):
+            compile_one(spec, 32, 8, large_d, 0, dtype, 90)
+print(json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def aot_job():
+    """The compile subprocess, started with the module so it runs beside the interpreter tests."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.Popen([sys.executable, "-c", _AOT_SCRIPT, json.dumps([AOT_CASES, AOT_DTYPES, LARGE_D])],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def compiled(aot_job) -> list[dict]:
+    out, err = aot_job.communicate(timeout=600)
+    assert aot_job.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_kernel_specs_match_the_op():
+    """Pointer parameters in the op's input/output order, named as the kernel names them."""
+    for spec in KERNELS:
+        assert spec.inputs == SPEC.inputs
+        assert spec.scalars == ("seq_len", "cache_len", "rope_len")
+        assert spec.outputs == ("out", "present_key", "present_value") and len(spec.outputs) == len(SPEC.outputs)
+        params = list(inspect.signature(getattr(spec.fn, "fn", spec.fn)).parameters)
+        assert params == [*spec.inputs, *spec.scalars, *spec.outputs, *spec.constexprs]
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+@pytest.mark.parametrize("dtype", AOT_DTYPES)
+@pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
+def test_compiles_with_tensorrt_abi(compiled, kernel, dtype, arch):
+    key = (kernel, dtype, arch, AOT_CASES[kernel][2])
+    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["arch"], r["d"]) == key]
+    assert row["params"] == row["expected"] == [".u64"] * 8 + [".u32"] * 3 + [".u64"] * 3
+    assert row["target"] and row["threads"] == 128 and row["shared"] <= 48 * 1024
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("kernel", [PREFILL.name])
+def test_real_head_dim_fits_default_shared_memory(compiled, kernel, dtype):
+    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["d"]) == (kernel, dtype, LARGE_D)]
+    assert row["params"] == row["expected"]
+    assert row["shared"] <= 48 * 1024, f"{kernel} {dtype} D={LARGE_D} needs {row['shared']} bytes of shared memory"
