@@ -1,4 +1,4 @@
-"""The ``graphkiln`` command: export, inspect, run, verify, demo.
+"""The ``graphkiln`` command: export, inspect, run, verify, check, demo.
 
 Every user error surfaces as one ``error: ...`` line on stderr and exit status 2.
 """
@@ -129,6 +129,14 @@ def _verify(args) -> int:
     return 0 if report.passed else 1
 
 
+def _check(args) -> int:
+    from graphkiln.export.trt_check import check_artifact
+
+    report = check_artifact(args.artifact)  # backend: tensorrt, the only choice
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
 def _demo(args) -> int:
     from graphkiln.demo.run import run_demo
 
@@ -153,11 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
     e.add_argument("--opset", type=int, default=23)
-    e.add_argument("--target", default="onnxruntime", choices=["portable", "onnxruntime"],
+    e.add_argument("--target", default="onnxruntime", choices=["portable", "onnxruntime", "tensorrt"],
                    help="onnxruntime (default): the CPU artifact (GroupQueryAttention writing the KV cache in "
                         "place, fused norms, com.microsoft.MoE; needed by --quant); portable: standard ONNX + "
-                        "graphkiln custom ops, TensorRT-parseable, ~10%% slower dense decode and 3-10x slower "
-                        "MoE layers on onnxruntime")
+                        "graphkiln custom ops, ~10%% slower dense decode and 3-10x slower MoE layers on "
+                        "onnxruntime; tensorrt: the portable graph as TensorRT's ONNX parser takes it (custom ops "
+                        "as aot=1 plugins writing state in place; see 'graphkiln check'), also runs on onnxruntime")
     e.add_argument("--quant", default=None, choices=["int4", "int8"],
                    help="weight-only quantization of the Linear layers (RTN, block-wise, "
                         "com.microsoft.MatMulNBits; onnxruntime target only)")
@@ -203,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=_int_at_least(0), default=0)
     v.add_argument("--atol", type=_number(0.0), default=None, help="default: 1e-4 for fp32 artifacts")
     v.set_defaults(fn=_verify)
+
+    c = sub.add_parser("check", help="check an artifact's graphs against a backend's published operator support")
+    c.add_argument("artifact")
+    c.add_argument("--backend", required=True, choices=["tensorrt"],
+                   help="tensorrt: every node against the TensorRT ONNX parser's operator list (vendored, with its "
+                        "version); exit 1 if anything would fail")
+    c.set_defaults(fn=_check)
 
     d = sub.add_parser("demo", help="build, export, verify and run a small random Llama (no network)")
     d.add_argument("--workdir", default=None, metavar="DIR",

@@ -14,7 +14,12 @@ fixed address for a session's life, which is what in-place plugins, slot pools a
 CUDA-graph replay need. A graph that writes the rows itself (the onnxruntime target's
 GroupQueryAttention) declares ``update: "in_place"``: it returns ``present_key.{layer}`` /
 ``present_value.{layer}`` ``[batch, kv_heads, cache_len, head_dim]``, which the runtime binds
-to the same buffer it feeds as ``past_key``/``past_value``, and takes ``seq_lens``.
+to the same buffer it feeds as ``past_key``/``past_value``, and takes ``seq_lens``. A conv
+state (kind ``"conv"``, a pool ``[slots, channels, width]`` read at ``slot_idx``) is returned
+as the new rows (``new_conv_state.{layer}`` ``[batch, channels, width]``, stored by the runtime
+at ``slot_idx``: ``update: "slot_rows"``) or, by a graph that writes the rows itself (the
+tensorrt target's plugins), as the whole pool ``[slots, channels, width]`` bound to the
+``conv_state`` buffer (``update: "in_place"``).
 
 Untrusted input. A manifest read from disk is validated against the dataclasses below with
 pydantic (strict types, no unknown keys, the value ranges and cross-references the runtime
@@ -152,6 +157,11 @@ class TensorSpec:
         return self
 
 
+def is_pool_output(t: TensorSpec) -> bool:
+    """A conv state output that is the whole pool (written in place), not the batch's rows."""
+    return t.role == "new_conv_state" and len(t.shape) == 3 and t.shape[0] == "slots"
+
+
 @with_config(_STRICT)
 @dataclass(frozen=True)
 class GraphSpec:
@@ -160,7 +170,7 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     opset: PosInt
-    target: Literal["portable", "onnxruntime"] = "portable"  # which runtime the graph was lowered for
+    target: Literal["portable", "onnxruntime", "tensorrt"] = "portable"  # which runtime the graph was lowered for
 
     @model_validator(mode="after")
     def _io_consistent(self) -> "GraphSpec":
@@ -183,7 +193,8 @@ class GraphSpec:
             needs = {"new_conv_state": "conv_state"}.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
             if t.layer is not None and (needs, t.layer) not in inputs:
                 raise _FieldError(("outputs", i), f"{t.name!r} has no matching {needs} input for layer {t.layer}")
-            if t.role not in ("present_key", "present_value"):  # the runtime allocates these outputs by their shape
+            # the runtime allocates the other outputs by their shape; these it binds to a state buffer
+            if t.role not in ("present_key", "present_value") and not is_pool_output(t):
                 bad = [d for d in t.shape if isinstance(d, str) and d not in _ALLOCATED_DIMS]
                 if bad:
                     raise _FieldError(("outputs", i, "shape"), f"uses dimension {bad[0]!r}; an output the runtime "
@@ -199,7 +210,8 @@ class StateSpec:
     ``kv``: one cache per attention flavor (full, or each sliding window), fields
     num_kv_heads/head_dim/max_seq_len/sliding_window. ``conv``: per conv layer a pool
     ``[slots, channels, width]`` (width = kernel - 1, the last inputs, oldest first) that the
-    graph reads at ``slot_idx`` and whose new rows it returns (``update: "slot_rows"``).
+    graph reads at ``slot_idx`` and whose new rows it returns (``update: "slot_rows"``) or
+    writes into the pool it returns whole (``update: "in_place"``).
     """
 
     kind: Literal[STATE_KINDS]  # type: ignore[valid-type]  # "kv" | "conv"
@@ -223,7 +235,7 @@ class StateSpec:
             wanted = ("batch,kv_heads,seq,head_dim", ("scatter_rows", "in_place"))
         else:
             required = {"channels": self.channels, "width": self.width}
-            wanted = ("slots,channels,width", ("slot_rows",))
+            wanted = ("slots,channels,width", ("slot_rows", "in_place"))
         for name, value in required.items():
             if not value:
                 raise _FieldError((name,), f"must be > 0 for a {self.kind} state (got {value})")
@@ -352,6 +364,10 @@ class Manifest:
                     s = owner.get(t.layer)
                     if s is None or s.kind != kind:
                         raise _FieldError(where + ("layer",), f"{t.layer} has no {kind} state (see states[].layers)")
+                    if t.role == "new_conv_state" and is_pool_output(t) != (s.update == "in_place"):
+                        raise _FieldError(where + ("shape",), f"{list(t.shape)} does not match its conv state's "
+                                          f"update {s.update!r} (in_place returns the pool [slots, channels, width], "
+                                          "slot_rows the rows [batch, channels, width])")
                     want = (s.num_kv_heads, s.head_dim) if kind == "kv" else (s.channels, s.width)
                     got = (t.shape[1], t.shape[3]) if kind == "kv" else (t.shape[1], t.shape[2])
                     if any(isinstance(x, int) and x != y for x, y in zip(got, want)):

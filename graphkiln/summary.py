@@ -44,7 +44,8 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
         if s.kind == "conv":
             per_slot = s.channels * s.width * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
             lines.append(f"state        conv on layers {_ranges(s.layers)}: {s.channels} channels x {s.width} "
-                         f"(kernel - 1) per slot, {s.dtype} ({_size(per_slot)}/request)")
+                         f"(kernel - 1) per slot, {s.dtype} ({_size(per_slot)}/request)"
+                         + (", written in place by the graph" if s.update == "in_place" else ""))
             continue
         window = f", sliding window {s.sliding_window}" if s.sliding_window else ", full attention"
         per_token = 2 * s.num_kv_heads * s.head_dim * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)

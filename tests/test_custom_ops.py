@@ -291,6 +291,12 @@ def test_torch_op_registration_and_fake(name):
     args = (*case.make_inputs(_gen(7), case.sizes[-1]), *case.attrs)
     result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result
+    if name in IN_PLACE_CASES:  # and in the in-place mode, whose state outputs have the state's shape
+        ip = IN_PLACE_CASES[name]
+        for size in ip.sizes.values():
+            result = torch.library.opcheck(op, (*ip.make_inputs(_gen(8), size), *ip.attrs, 1),
+                                           test_utils=("test_schema", "test_faketensor"))
+            assert all(v == "SUCCESS" for v in result.values()), (size, result)
 
 
 @pytest.mark.parametrize("name", sorted(R.specs()))
@@ -307,8 +313,12 @@ def test_onnx_schema_is_registered(name):
     assert [p.name for p in schema.outputs] == list(spec.outputs)
     kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "string": OpSchema.AttrType.STRING}
     want = {a.name: kinds[a.kind] for a in spec.attributes}
-    want.update(plugin_namespace=OpSchema.AttrType.STRING, plugin_version=OpSchema.AttrType.STRING)
+    want.update(plugin_namespace=OpSchema.AttrType.STRING, plugin_version=OpSchema.AttrType.STRING,
+                aot=OpSchema.AttrType.INT)
     assert {n: a.type for n, a in schema.attributes.items()} == want
+    # an attribute with a default may be left off a node (older artifacts); aot is TensorRT's only
+    optional = {a.name for a in spec.attributes if a.default is not None} | {"aot"}
+    assert {n for n, a in schema.attributes.items() if not a.required} == optional
 
 
 @pytest.mark.parametrize("name", sorted(R.specs()))
@@ -846,3 +856,151 @@ def test_attention_ignores_cache_rows_at_or_after_a_rows_start():
     inputs[3][1, :, : int(starts[1])] += 1.0  # and the rows before the start are read
     if int(starts[1]) > 0:
         assert not torch.equal(op(*inputs, NQ, NKV, 0, 0.25)[0][1], base[0][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. in-place state outputs (Attention kv_update=1, ShortConv state_update=1): the whole cache /
+#    pool with the new rows written in, which TensorRT aliases to the state input. Mode 1 must be
+#    mode 0 plus an explicit scatter, in torch, in onnxruntime running the function, and with
+#    onnxruntime writing into the very buffer it reads (how the runtime binds tensorrt graphs).
+
+
+def _scatter_rows(cache, rows, position_ids):
+    """Mode 0's rows written into a copy of the cache one (row, token) at a time; positions past
+    the cache's end are dropped."""
+    out = cache.clone()
+    for b in range(position_ids.shape[0]):
+        for s in range(position_ids.shape[1]):
+            p = int(position_ids[b, s])
+            if p < cache.shape[2]:
+                out[b, :, p] = rows[b, :, s]
+    return out
+
+
+def _scatter_slots(pool, rows, slot_idx):
+    out = pool.clone()
+    for b, slot in enumerate(slot_idx.tolist()):
+        out[slot] = rows[b]
+    return out
+
+
+def attention_inputs_at(gen, starts, seq: int, cache: int):
+    """attention_inputs whose row b holds positions starts[b] + 0..seq-1."""
+    inputs = list(attention_inputs(gen, len(starts), seq, cache))
+    inputs[5] = torch.tensor(starts).unsqueeze(1) + torch.arange(seq)
+    return tuple(inputs)
+
+
+@dataclass(frozen=True)
+class InPlaceCase:
+    attrs: tuple  # every attribute but the mode attribute, which is last (0 or 1 appended)
+    sizes: dict  # label -> size for make_inputs
+    make_inputs: Callable
+    scatter: Callable  # (state input, mode-0 rows, inputs) -> the state mode 1 returns
+    state_inputs: tuple[int, ...]  # input index of each state output (outputs 1, 2, ...)
+
+
+IN_PLACE_CASES: dict[str, InPlaceCase] = {
+    # (starts per row, new tokens, cache length). past_the_end: rows whose positions run past the
+    # cache's end (partly: start 4; wholly: start 6 = C) next to rows inside it; longer: a prefill
+    # with more tokens than the cache; a window shorter than the sequences.
+    "Attention": InPlaceCase(
+        attrs=(NQ, NKV, 3, D ** -0.5),
+        sizes={"decode": ((3, 0, 8), 1, 9), "past_the_end": ((0, 4, 6, 2), 3, 6), "longer_than_cache": ((0, 1), 7, 4),
+               "empty_cache": ((0, 0), 5, 0)},
+        make_inputs=lambda g, sz: attention_inputs_at(g, *sz),
+        scatter=lambda state, rows, inputs: _scatter_rows(state, rows, inputs[5]),
+        state_inputs=(3, 4)),
+    "ShortConv": InPlaceCase(
+        attrs=(C,), sizes={"decode": (3, 1), "prefill": (2, 6), "every_slot": (SLOTS, 3)},
+        make_inputs=lambda g, sz: short_conv_inputs(g, *sz),
+        scatter=lambda state, rows, inputs: _scatter_slots(state, rows, inputs[4]),
+        state_inputs=(3,)),
+}
+IN_PLACE_SIZES = [(n, s) for n, c in IN_PLACE_CASES.items() for s in c.sizes]
+
+
+def test_every_in_place_op_has_a_case():
+    from graphkiln.ops import op_modules
+
+    mods = {n: m for n, m in op_modules().items() if hasattr(m, "IN_PLACE_ATTR")}
+    assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv"}
+    for name, mod in mods.items():
+        spec = R.specs()[name]
+        attr = spec.attributes[-1]  # last, so callers that predate it still line up
+        assert (attr.name, attr.kind, attr.default) == (mod.IN_PLACE_ATTR, "int", 0)
+        assert len(IN_PLACE_CASES[name].attrs) == len(spec.attributes) - 1
+        assert len(IN_PLACE_CASES[name].state_inputs) == len(spec.outputs) - 1
+
+
+def _in_place_export(exported, name: str) -> Exported:
+    case, base = IN_PLACE_CASES[name], OP_CASES[name]
+
+    def make():  # the base case's example inputs: sizes of 0 or 1 would specialise the dynamic dims
+        return OpModule(name, (*case.attrs, 1)), base.make_inputs(_gen(0), base.sizes[0]), base.dynamic_shapes()
+
+    return exported(("in_place", name), make)
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("name, size", IN_PLACE_SIZES)
+def test_in_place_mode_is_rows_mode_plus_scatter(exported, face, name, size):
+    case = IN_PLACE_CASES[name]
+    inputs = case.make_inputs(_gen(90), case.sizes[size])
+    before = [t.clone() for t in inputs]
+    rows = R.torch_op(name)(*inputs, *case.attrs, 0)
+    if face == "torch":
+        got = R.torch_op(name)(*inputs, *case.attrs, 1)
+    else:
+        ex = _in_place_export(exported, name)
+        node = next(n for n in ex.model.graph.node if n.domain == DOMAIN)
+        assert {a.name: a.i for a in node.attribute if a.type == 2}[R.op_modules()[name].IN_PLACE_ATTR] == 1
+        got = [torch.from_numpy(o) for o in ex.run(*inputs)]
+    assert_close(got[0], rows[0], what=f"{name} {face} first output, in-place mode vs rows mode")
+    for out, i in enumerate(case.state_inputs, start=1):
+        want = case.scatter(inputs[i], rows[out], inputs)
+        assert tuple(got[out].shape) == tuple(inputs[i].shape)
+        assert got[out].dtype == inputs[i].dtype
+        assert_close(got[out], want, what=f"{name} {face} state output {out} at {size}")
+    for a, b in zip(inputs, before):
+        assert torch.equal(a, b), "the op modified an input (only a bound output buffer may be written)"
+
+
+def test_in_place_cases_are_not_vacuous():
+    """Each in-place case writes something, and the past-the-end one really has skipped positions."""
+    for name, size in IN_PLACE_SIZES:
+        case = IN_PLACE_CASES[name]
+        inputs = case.make_inputs(_gen(90), case.sizes[size])
+        got = R.torch_op(name)(*inputs, *case.attrs, 1)
+        changed = [not torch.equal(got[o], inputs[i]) for o, i in enumerate(case.state_inputs, start=1)]
+        assert all(changed) or size == "empty_cache", (name, size)
+    pos, cache = attention_inputs_at(_gen(0), *IN_PLACE_CASES["Attention"].sizes["past_the_end"])[5], 6
+    assert (pos >= cache).any() and (pos < cache).any()
+    assert (pos >= cache).all(dim=1).any(), "one row entirely past the end"
+
+
+@pytest.mark.parametrize("name, size", IN_PLACE_SIZES)
+def test_in_place_mode_on_onnxruntime_writing_the_state_it_reads(exported, name, size):
+    """The state output bound (IOBinding) to the state input's own buffer: onnxruntime's scatter
+    then writes into it without a copy, and the result is still mode 0 plus the scatter."""
+    import onnxruntime as ort
+
+    case = IN_PLACE_CASES[name]
+    ex = _in_place_export(exported, name)
+    inputs = case.make_inputs(_gen(91), case.sizes[size])
+    rows = R.torch_op(name)(*inputs, *case.attrs, 0)
+    want = {i: case.scatter(inputs[i], rows[o], inputs) for o, i in enumerate(case.state_inputs, start=1)}
+    binding = ex.session.io_binding()
+    held = []  # arrays and the OrtValues over them, alive until the run is done
+    for arg, x in zip(ex.session.get_inputs(), inputs):
+        arr = np.ascontiguousarray(_np(x))
+        held.append((arr, ort.OrtValue.ortvalue_from_numpy(arr)))
+        binding.bind_ortvalue_input(arg.name, held[-1][1])
+    outs = ex.session.get_outputs()
+    binding.bind_output(outs[0].name, "cpu")  # first: copy_outputs_to_cpu lists outputs in binding order
+    for o, i in enumerate(case.state_inputs, start=1):
+        binding.bind_ortvalue_output(outs[o].name, held[i][1])
+    ex.session.run_with_iobinding(binding)
+    assert_close(binding.copy_outputs_to_cpu()[0], rows[0], what=f"{name} first output")
+    for i, w in want.items():
+        assert_close(held[i][0], w, what=f"{name} state {i} written in place at {size}")

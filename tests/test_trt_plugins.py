@@ -517,9 +517,10 @@ def test_autotune_dtypes_are_what_the_exported_model_feeds_the_ops(dtype, expert
         want = rules.io_dtypes(_defn(name), act)
         if name == "MoE" and expert_bias and dtype != torch.float32:
             # the kernel reads an fp32 routing table; a model with a learned bias passes it in
-            # the model dtype (the exporter's zeros for a model without one are fp32)
+            # the model dtype (the exporter's zeros for a model without one are fp32), so the
+            # TensorRT lowering inserts a Cast to fp32 (tests/test_trt_target.py checks it)
             assert got[:4] == want[:4] and got[5:] == want[5:] and got[4] == act
-            pytest.xfail("expert_bias reaches MoE in the model dtype: the TensorRT-target export must cast it to fp32")
+            continue
         assert got == want, name
 
 

@@ -42,7 +42,7 @@ def _say(opts: ExportOptions, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-TARGETS = ("portable", "onnxruntime")
+TARGETS = ("portable", "onnxruntime", "tensorrt")
 
 
 def release_exporter_references() -> None:
@@ -203,6 +203,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
         if opts.quant not in QUANT_BITS:
             raise GraphkilnError(f"--quant {opts.quant} is not supported: choose one of {', '.join(QUANT_BITS)}")
+        if target == "tensorrt":
+            raise GraphkilnError(f"--quant {opts.quant} is not supported with --target tensorrt yet (quantized "
+                                 "artifacts use onnxruntime's MatMulNBits): drop --quant, or use --target onnxruntime")
         if target != "onnxruntime":
             raise GraphkilnError(f"--quant {opts.quant} needs --target onnxruntime: quantized artifacts are "
                                  "onnxruntime-target (com.microsoft.MatMulNBits); drop --target portable")
@@ -214,6 +217,12 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
                                  f"accepts {', '.join(map(str, MATMUL_NBITS_BLOCK_SIZES))}")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
+    if target == "tensorrt":
+        from graphkiln.export.lowering.trt_target import TRT_OPSET
+
+        if opts.opset != TRT_OPSET:
+            raise GraphkilnError(f"--opset {opts.opset} does not suit --target tensorrt: TensorRT's native "
+                                 f"RMSNormalization needs opset {TRT_OPSET}; use --opset {TRT_OPSET} (the default)")
     # Everything that can be refused from the checkpoint's JSON files and safetensors headers is
     # refused here, before the output directory exists; what is left (non-finite weights, found
     # as they are written) fails inside it, and the publication layer removes the partial output.
@@ -261,6 +270,11 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
                                                     opts.quant_symmetric,
                                                     say=lambda msg: _say(opts, msg))
             _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t2:.1f}s")
+        elif target == "tensorrt":
+            from graphkiln.export.lowering.trt_target import lower_for_tensorrt
+
+            graph, rewritten = lower_for_tensorrt(tmp, graph)
+            _say(opts, f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)")
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)
@@ -272,8 +286,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype,
                                     update="in_place" if in_place else "scatter_rows", sliding_window=window))
         if cfg.layers_of("conv"):
+            pool_out = any(t.role == "new_conv_state" and t.shape[0] == "slots" for t in graph.outputs)
             states.append(StateSpec("conv", cfg.layers_of("conv"), 0, 0, max_seq_len, state_dtype,
-                                    layout="slots,channels,width", update="slot_rows",
+                                    layout="slots,channels,width", update="in_place" if pool_out else "slot_rows",
                                     channels=cfg.hidden_size, width=cfg.conv_kernel - 1))
 
         _say(opts, "[4/4] writing checksums and manifest")

@@ -5,8 +5,16 @@ past_key / past_value [B, Nkv, C, D] (the cache: row b's token at position p is 
 ``[b, :, p]``), position_ids [B, S] (row b's new tokens sit at positions start_b + 0..S-1,
 start_b = tokens already cached), cos_cache / sin_cache [P, D/2] (rotary tables by position,
 any rope scaling folded in, P >= every position used)
--> out [B, S, Nq*D], new_key / new_value [B, Nkv, S, D] (the new tokens' rotated keys and
-values; the caller stores them at their positions).
+-> out [B, S, Nq*D] and, by ``kv_update``:
+  0 (default): new_key / new_value [B, Nkv, S, D], the new tokens' rotated keys and values;
+     the caller stores them at their positions.
+  1: new_key / new_value [B, Nkv, C, D] are the whole cache (graphs name them
+     present_key.i / present_value.i): past with row b's S new rotated keys / values written
+     at positions position_ids[b, s] (positions >= C are skipped). TensorRT's plugin aliases
+     them to past_key / past_value and writes the rows in place; onnxruntime, running the
+     function below with them bound to the past_* buffers (``graphkiln.runtime.decoder``),
+     does the same (ScatterElements writes into its input's buffer when they alias, without
+     copying the cache).
 
 Semantics: q and k are rotated "rotate-half" style (x * cos + rotate_half(x) * sin with the
 tables gathered at position_ids and repeated to D); query head h reads KV head
@@ -36,10 +44,15 @@ SPEC = CustomOpSpec(
         AttrSpec("num_kv_heads", "int", "Nkv, key/value heads (divides Nq)"),
         AttrSpec("window", "int", "sliding window in positions; 0 = full causal attention"),
         AttrSpec("scale", "float", "multiplies q.k (usually D ** -0.5)"),
+        AttrSpec("kv_update", "int", "0: return the new rows; 1: return the whole cache with them written in place",
+                 default=0),
     ),
     output_dtypes_from=("q", "past_key", "past_value"),
     doc=__doc__,
 )
+
+# The attribute that makes the state outputs the whole (aliased) cache: 1 on every TensorRT node.
+IN_PLACE_ATTR = "kv_update"
 
 
 def visible_keys(position_ids, cache_len: int, window: int):
@@ -64,7 +77,8 @@ def _rotate(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale):
+def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale,
+              kv_update=0):
     import torch
 
     b, s, _ = q.shape
@@ -84,10 +98,26 @@ def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache,
     scores = scores.masked_fill(~visible_keys(position_ids, past_key.shape[2], window), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, num_kv_heads, rep * s, -1)
     out = torch.matmul(probs, values).view(b, num_heads, s, d).transpose(1, 2).reshape(b, s, num_heads * d)
+    if kv_update:
+        return out, write_rows(past_key, k4, position_ids), write_rows(past_value, v4, position_ids)
     return out, k4.to(past_key.dtype).contiguous(), v4.to(past_value.dtype).contiguous()
 
 
-def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale):
+def write_rows(cache, rows, position_ids):
+    """A copy of ``cache`` [B, N, C, D] with ``rows`` [B, N, S, D] written at position_ids [B, S]
+    along C; positions >= C are skipped (kv_update=1's output)."""
+    import torch
+
+    out = cache.clone()
+    b, s = torch.nonzero(position_ids < cache.shape[2], as_tuple=True)
+    out[b, :, position_ids[b, s]] = rows[b, :, s].to(cache.dtype)
+    return out
+
+
+def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale,
+         kv_update=0):
+    if kv_update:
+        return q.new_empty(q.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
     b, s, _ = q.shape
     shape = (b, num_kv_heads, s, past_key.shape[-1])
     return q.new_empty(q.shape), past_key.new_empty(shape), past_value.new_empty(shape)
@@ -103,7 +133,8 @@ def onnx_function(opset: int):
 
     @onnxscript.script(gk, default_opset=op)
     def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads: int,
-                  num_kv_heads: int, window: int, scale: float, plugin_namespace: str, plugin_version: str):
+                  num_kv_heads: int, window: int, scale: float, plugin_namespace: str, plugin_version: str,
+                  kv_update: int = 0):
         one = op.Constant(value_ints=[1])
         minus1 = op.Constant(value_ints=[-1])
         nq = op.Reshape(op.Constant(value_int=num_heads), one)
@@ -150,6 +181,32 @@ def onnx_function(opset: int):
         probs = op.Reshape(op.CastLike(op.Softmax(masked, axis=-1), q), op.Shape(scores))
         out = op.Reshape(op.MatMul(probs, values), qshape)  # [B, Nq, S, D]
         out = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Shape(q))
-        return out, op.CastLike(kr, past_key), op.CastLike(v4, past_value)
+
+        # kv_update is a constant once the function is inlined: onnxruntime folds this If to one
+        # branch (measured, onnxruntime 1.32), so a session runs only the chosen mode.
+        if op.Equal(op.Constant(value_int=kv_update), op.Constant(value_int=1)):
+            # Scatter each new row into the cache at its position; rows at positions >= C are
+            # redirected to C-1 carrying the value C-1 ends up with anyway (the new row at C-1 if
+            # the row writes there, else the cached one), so every write to one index carries one
+            # value and the result does not depend on the scatter's order. At most C rows are
+            # written: a longer prefill's later tokens are all at positions >= C.
+            n = op.Min(op.Shape(position_ids, start=1, end=2), cache_len)
+            pos = op.Slice(position_ids, op.Constant(value_ints=[0]), n, one)  # [B, n]
+            target = op.Min(pos, op.Sub(cache_len, one))
+            from_new = op.Unsqueeze(op.GreaterOrEqual(target, start), op.Constant(value_ints=[1, 3]))  # [B, 1, n, 1]
+            offset = op.Max(op.Sub(target, start), op.Constant(value_int=0))  # the new row that lands there
+            rows_shape = op.Concat(op.Shape(q, start=0, end=1), nkv, n, op.Shape(past_key, start=3, end=4), axis=0)
+            at_target = op.Expand(op.Unsqueeze(target, op.Constant(value_ints=[1, 3])), rows_shape)
+            at_offset = op.Expand(op.Unsqueeze(offset, op.Constant(value_ints=[1, 3])), rows_shape)
+            key_rows = op.Where(from_new, op.GatherElements(op.CastLike(kr, past_key), at_offset, axis=2),
+                                op.GatherElements(past_key, at_target, axis=2))
+            value_rows = op.Where(from_new, op.GatherElements(op.CastLike(v4, past_value), at_offset, axis=2),
+                                  op.GatherElements(past_value, at_target, axis=2))
+            new_key = op.ScatterElements(past_key, at_target, key_rows, axis=2)
+            new_value = op.ScatterElements(past_value, at_target, value_rows, axis=2)
+        else:
+            new_key = op.CastLike(kr, past_key)
+            new_value = op.CastLike(v4, past_value)
+        return out, new_key, new_value
 
     return Attention.to_function_proto()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 DOMAIN = "graphkiln"
@@ -9,11 +10,14 @@ DOMAIN = "graphkiln"
 
 @dataclass(frozen=True)
 class AttrSpec:
-    """An op attribute. ``kind`` is "int", "float" or "string" (TensorRT: int32, float32, char)."""
+    """An op attribute. ``kind`` is "int", "float" or "string" (TensorRT: int32, float32, char).
+    ``default`` None: every caller passes it; else callers may leave it out (a node without it
+    means the default), so adding such an attribute keeps older callers and artifacts valid."""
 
     name: str
     kind: str
     doc: str = ""
+    default: int | float | str | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class CustomOpSpec:
 
     def torch_schema(self) -> str:
         kinds = {"int": "int", "float": "float", "string": "str"}
-        args = [f"Tensor {n}" for n in self.inputs] + [f"{kinds[a.kind]} {a.name}" for a in self.attributes]
+        args = [f"Tensor {n}" for n in self.inputs] + [
+            f"{kinds[a.kind]} {a.name}" + ("" if a.default is None else f"={json.dumps(a.default)}") for a in self.attributes]
         outs = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join("Tensor" for _ in self.outputs) + ")"
         return f"({', '.join(args)}) -> {outs}"

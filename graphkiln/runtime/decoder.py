@@ -2,8 +2,19 @@
 
 Two KV contracts (manifest state ``update``): ``scatter_rows`` graphs return the new rows
 (``new_key.i``) and this class stores them; ``in_place`` graphs (the onnxruntime target's
-GroupQueryAttention) return ``present_key.i``, which is bound to the same pool buffer as
-``past_key.i`` so the graph writes its rows there itself.
+GroupQueryAttention, the tensorrt target's Attention with ``kv_update=1``) return
+``present_key.i``, which is bound to the same pool buffer as ``past_key.i`` so the graph writes
+its rows there itself. Conv state likewise: ``new_conv_state.i`` is either the rows
+(``slot_rows``, stored here at ``slot_idx``) or the whole pool (``in_place``, the tensorrt
+target's ShortConv with ``state_update=1``), bound to the ``conv_state.i`` buffer.
+
+In place on onnxruntime (measured, onnxruntime 1.32 CPU): the tensorrt target's functions end
+in ScatterElements / ScatterND, which skip their input-to-output copy when both are one buffer,
+so the bound state is updated without copying the cache (a 64 MiB state: 0.2 ms aliased, 32 ms
+into a separate buffer). Reads of the state that may run after the scatter are safe: attention
+only reads cache positions below each row's start, and the scatter writes only at or above it
+(or rewrites a cell with the value it holds); the conv rows written are computed from the
+state read at ``slot_idx``, so that read comes first.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.manifest import GraphSpec
+from graphkiln.manifest import GraphSpec, is_pool_output
 from graphkiln.runtime.state import StatePool
 
 _REQUIRED_INPUT_ROLES = {"input_ids", "position_ids", "logits_index", "past_key", "past_value"}
@@ -91,18 +102,21 @@ class DecoderGraph:
         self.new = [(t.role, t.layer) for t in spec.outputs]
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
                         if t.role in ("present_key", "present_value")}
+        # conv layers whose new_conv_state is the whole pool, bound to the conv_state buffer
+        self.pool_outputs = {t.layer: t.name for t in spec.outputs if is_pool_output(t)}
         self._bound: tuple | None = None  # (key, IOBinding, KV OrtValues) for in-place graphs; see _binding
         self._buffers: dict[str, np.ndarray] = {}  # reused output buffers of in-place graphs, by output name
         self._inputs: dict[str, tuple] = {}  # input name -> (array, OrtValue over it) bound in _bound
         self._outputs_bound: set[str] = set()  # outputs bound to their _buffers entry in _bound
         # the outputs an in-place graph returns into those buffers: all but present_*
         self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
-                          if t.role not in ("present_key", "present_value")]
+                          if t.role not in ("present_key", "present_value") and not is_pool_output(t)]
         # Per-step loops cover only what needs work (a decode step's Python runs with cold caches).
-        self._conv_inputs = [(layer, name) for role, layer, name in self.states if role == "conv_state"]
+        self._conv_inputs = [(layer, name) for role, layer, name in self.states
+                             if role == "conv_state" and layer not in self.pool_outputs]
         self._logits_at = next(i for i, t in enumerate(spec.outputs) if t.role == "logits")
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
-                            if t.role in ("new_key", "new_value", "new_conv_state")]
+                            if t.role in ("new_key", "new_value", "new_conv_state") and not is_pool_output(t)]
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -117,7 +131,7 @@ class DecoderGraph:
         slot_idx = np.arange(n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
-        if self.present:
+        if self.present or self.pool_outputs:
             outs = self._run_bound(pool, n, given, {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
         else:
             feeds = {name: given[role] for role, name in self.names.items()}
@@ -136,12 +150,13 @@ class DecoderGraph:
         return outs[self._logits_at]
 
     def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray], dims: dict[str, int]) -> list:
-        """Run an in-place graph: each KV view is bound as both past_* input and present_* output.
+        """Run an in-place graph: each KV view is bound as both past_* input and present_* output
+        (and each in-place conv pool as both conv_state input and new_conv_state output).
 
         Inputs and the other outputs live in arrays this object owns, bound once and rewritten
         in place while their shapes stay the same (every decode step of a batch): a step then
         costs a few small copies instead of a fresh binding. Returns the outputs in spec order,
-        with None for the present_* ones (they are the pool).
+        with None for the present_* and in-place new_conv_state ones (they are the pool).
         """
         binding = self._binding(pool, n)
         for role, name in self.names.items():
@@ -200,5 +215,10 @@ class DecoderGraph:
         for (role, layer), name in zip(self.new, self.outputs):
             if role in ("present_key", "present_value"):
                 binding.bind_ortvalue_output(name, kv_values[(role.replace("present_", "past_"), layer)])
+        for role, layer, name in self.states:  # the whole pool in and out: one buffer, written in place
+            if role == "conv_state" and layer in self.pool_outputs:
+                kv_values[(role, layer)] = ort.OrtValue.ortvalue_from_numpy(pool.conv[layer])
+                binding.bind_ortvalue_input(name, kv_values[(role, layer)])
+                binding.bind_ortvalue_output(self.pool_outputs[layer], kv_values[(role, layer)])
         self._bound = (key, binding, kv_values)  # the OrtValues must outlive the binding's use
         return binding

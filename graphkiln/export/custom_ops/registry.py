@@ -17,9 +17,11 @@ def register_onnx_schemas() -> None:
     for spec in specs().values():
         if onnx.defs.has(spec.name, spec.domain):
             continue
-        attrs = [OpSchema.Attribute(a.name, kinds[a.kind], a.doc) for a in spec.attributes]
+        attrs = [OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.default is None) for a in spec.attributes]
         attrs += [OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
-                  OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version")]
+                  OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version"),
+                  OpSchema.Attribute("aot", OpSchema.AttrType.INT, "TensorRT: 1 = the plugin's ahead-of-time kernel",
+                                     required=False)]
         schema = OpSchema(
             spec.name, spec.domain, spec.version, doc=spec.doc,
             inputs=[OpSchema.FormalParameter(n, "T" if i == 0 else f"T{i}") for i, n in enumerate(spec.inputs)],
@@ -44,9 +46,11 @@ def translation_table() -> dict:
     for spec in specs().values():
         opset = Opset(spec.domain, spec.version)
 
-        def translate(*args, _spec=spec, _opset=opset):
+        def translate(*args, _spec=spec, _opset=opset, **kwargs):
             n = len(_spec.inputs)
-            attrs = {a.name: v for a, v in zip(_spec.attributes, args[n:])}
+            # every attribute on the node, defaults too (the exporter passes only what the caller did)
+            given = dict(zip((a.name for a in _spec.attributes), args[n:]), **kwargs)
+            attrs = {a.name: given.get(a.name, a.default) for a in _spec.attributes}
             return getattr(_opset, _spec.name)(
                 *args[:n], **attrs, plugin_namespace=_spec.plugin_namespace, plugin_version=_spec.plugin_version)
 

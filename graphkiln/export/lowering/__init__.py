@@ -10,4 +10,7 @@ valid for that runtime.
   ``com.microsoft.MoE``.
 * ``quantize.quantize_linear_weights`` — Linear MatMul/Gemm weights -> int4/int8
   block-wise ``com.microsoft.MatMulNBits`` (routers feeding MoE stay float).
+* ``trt_target.lower_for_tensorrt`` — the TensorRT-target graph: every graphkiln node set to
+  its plugin's ahead-of-time kernel (``aot=1``) and in-place state (KV cache and conv pool
+  returned whole, aliased to their inputs); no weights change.
 """
