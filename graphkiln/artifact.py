@@ -11,12 +11,9 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import MANIFEST_NAME, Manifest, artifact_file, open_artifact_file, plain_relative_path
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checksum_tree(root: Path) -> dict[str, str]:
