@@ -90,7 +90,7 @@ def _run(args) -> int:
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
-    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest)
+    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target)
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
     sampling = (args.temperature is not None and args.temperature > 0) or (
         args.temperature is None and (args.top_k is not None or args.top_p is not None))
@@ -124,9 +124,21 @@ def _run(args) -> int:
 def _verify(args) -> int:
     from graphkiln.export.verify import verify_artifact
 
-    report = verify_artifact(args.artifact, args.reference, steps=args.steps, seed=args.seed, atol=args.atol)
-    print(report.summary())
-    return 0 if report.passed else 1
+    from graphkiln.runtime import Engine
+
+    # every decoder graph the artifact carries (one per export target), each as onnxruntime runs it
+    engine = Engine.load(args.artifact, target=args.target)
+    graphs = [engine.decoder.spec] + ([] if args.target else [
+        g for g in engine.manifest.graphs if g.name == "decoder" and g is not engine.decoder.spec])
+    passed = True
+    for i, graph in enumerate(graphs):
+        if i:
+            engine = Engine.load(args.artifact, target=graph.target, check_files=False)  # hashed by the first load
+        report = verify_artifact(args.artifact, args.reference, steps=args.steps, seed=args.seed, atol=args.atol,
+                                 engine=engine)
+        print((f"{graph.file} (target {graph.target}): " if len(graphs) > 1 else "") + report.summary())
+        passed = passed and report.passed
+    return 0 if passed else 1
 
 
 def _check(args) -> int:
@@ -161,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     e.add_argument("--max-seq-len", type=int, default=None, help="default: the config's max_position_embeddings")
     e.add_argument("--opset", type=int, default=23)
-    e.add_argument("--target", default="onnxruntime", choices=["portable", "onnxruntime", "tensorrt"],
-                   help="onnxruntime (default): the CPU artifact (GroupQueryAttention writing the KV cache in "
+    e.add_argument("--target", default="onnxruntime", metavar="TARGET[,TARGET...]",
+                   help="one graph per target, over one weights file; "
+                        "onnxruntime (default): the CPU artifact (GroupQueryAttention writing the KV cache in "
                         "place, fused norms, com.microsoft.MoE; needed by --quant); portable: standard ONNX + "
                         "graphkiln custom ops, ~10%% slower dense decode and 3-10x slower MoE layers on "
                         "onnxruntime; tensorrt: the portable graph as TensorRT's ONNX parser takes it (custom ops "
@@ -203,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
                    help="refuse the artifact unless its manifest has this sha256 (the digest 'graphkiln inspect' "
                         "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
+    r.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
+                   help="run the graph exported for this target (default: the artifact's best graph for onnxruntime)")
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
@@ -211,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=_int_at_least(1), default=32)
     v.add_argument("--seed", type=_int_at_least(0), default=0)
     v.add_argument("--atol", type=_number(0.0), default=None, help="default: 1e-4 for fp32 artifacts")
+    v.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
+                   help="verify only the graph exported for this target (default: every graph in the artifact)")
     v.set_defaults(fn=_verify)
 
     c = sub.add_parser("check", help="check an artifact's graphs against a backend's published operator support")

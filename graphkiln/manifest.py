@@ -21,6 +21,17 @@ at ``slot_idx``: ``update: "slot_rows"``) or, by a graph that writes the rows it
 tensorrt target's plugins), as the whole pool ``[slots, channels, width]`` bound to the
 ``conv_state`` buffer (``update: "in_place"``).
 
+The update contract belongs to a graph, not to the state: it is read off the graph's outputs
+(``state_update``), so one artifact can carry several targets' graphs (``graphs[].target``;
+a graph is named by ``(name, target)``) over the same states and the same weights file, and
+each runtime picks the graph for its backend (``Manifest.graph_for``). Format 1 recorded the
+update in ``states[].update``; a format-1 manifest is still read (that field is checked
+against the graph, then dropped).
+
+Engines. ``graphkiln build`` adds one ``EngineSpec`` per graph it built (a TensorRT plan file
+inside the artifact, its optimization profiles and what it was built on); the files are
+checksummed like every other.
+
 Untrusted input. A manifest read from disk is validated against the dataclasses below with
 pydantic (strict types, no unknown keys, the value ranges and cross-references the runtime
 relies on) before anything uses it; a failure is one ``GraphkilnError`` line naming the
@@ -48,7 +59,8 @@ from pydantic import (AfterValidator, ConfigDict, Field, PlainValidator, TypeAda
 
 from graphkiln.errors import GraphkilnError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # format 1 had states[].update (see the module docstring)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a 100-layer model's manifest is ~100 KB; refuse to read a huge one into memory
 
@@ -162,15 +174,23 @@ def is_pool_output(t: TensorSpec) -> bool:
     return t.role == "new_conv_state" and len(t.shape) == 3 and t.shape[0] == "slots"
 
 
+TARGETS = ("portable", "onnxruntime", "tensorrt")
+Target = Literal[TARGETS]  # type: ignore[valid-type]
+# backend -> graph targets it runs, best first (Manifest.graph_for)
+BACKEND_TARGETS = {"onnxruntime": ("onnxruntime", "portable", "tensorrt"), "tensorrt": ("tensorrt",)}
+
+
 @with_config(_STRICT)
 @dataclass(frozen=True)
 class GraphSpec:
+    """One ONNX graph of the artifact, lowered for ``target``; ``(name, target)`` is unique."""
+
     name: Name
     file: RelPath
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     opset: PosInt
-    target: Literal["portable", "onnxruntime", "tensorrt"] = "portable"  # which runtime the graph was lowered for
+    target: Target = "portable"  # which runtime the graph was lowered for
 
     @model_validator(mode="after")
     def _io_consistent(self) -> "GraphSpec":
@@ -210,8 +230,7 @@ class StateSpec:
     ``kv``: one cache per attention flavor (full, or each sliding window), fields
     num_kv_heads/head_dim/max_seq_len/sliding_window. ``conv``: per conv layer a pool
     ``[slots, channels, width]`` (width = kernel - 1, the last inputs, oldest first) that the
-    graph reads at ``slot_idx`` and whose new rows it returns (``update: "slot_rows"``) or
-    writes into the pool it returns whole (``update: "in_place"``).
+    graph reads at ``slot_idx``. How a graph updates the state is the graph's (``state_update``).
     """
 
     kind: Literal[STATE_KINDS]  # type: ignore[valid-type]  # "kv" | "conv"
@@ -221,7 +240,6 @@ class StateSpec:
     max_seq_len: Annotated[int, Field(ge=2)]
     dtype: StateDtype
     layout: Literal["batch,kv_heads,seq,head_dim", "slots,channels,width"] = "batch,kv_heads,seq,head_dim"
-    update: Literal["scatter_rows", "in_place", "slot_rows"] = "scatter_rows"
     sliding_window: PosInt | None = None
     channels: PosInt | None = None
     width: PosInt | None = None
@@ -232,18 +250,38 @@ class StateSpec:
             raise _FieldError(("layers",), f"lists a layer twice (got {list(self.layers)})")
         if self.kind == "kv":
             required = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
-            wanted = ("batch,kv_heads,seq,head_dim", ("scatter_rows", "in_place"))
+            layout = "batch,kv_heads,seq,head_dim"
         else:
             required = {"channels": self.channels, "width": self.width}
-            wanted = ("slots,channels,width", ("slot_rows", "in_place"))
+            layout = "slots,channels,width"
         for name, value in required.items():
             if not value:
                 raise _FieldError((name,), f"must be > 0 for a {self.kind} state (got {value})")
-        if self.layout != wanted[0]:
-            raise _FieldError(("layout",), f"of a {self.kind} state must be {wanted[0]!r} (got {self.layout!r})")
-        if self.update not in wanted[1]:
-            raise _FieldError(("update",), f"of a {self.kind} state must be one of {', '.join(wanted[1])} (got {self.update!r})")
+        if self.layout != layout:
+            raise _FieldError(("layout",), f"of a {self.kind} state must be {layout!r} (got {self.layout!r})")
         return self
+
+
+UPDATES = {"kv": ("scatter_rows", "in_place"), "conv": ("slot_rows", "in_place")}
+
+
+def state_update(graph: GraphSpec, state: StateSpec) -> str | None:
+    """How ``graph`` updates ``state`` (see the module docstring), read off its outputs:
+    ``in_place`` when it returns the whole cache/pool (``present_*``, a pool-shaped
+    ``new_conv_state``), else ``scatter_rows`` (kv) / ``slot_rows`` (conv); None when the graph
+    returns nothing for the state's layers. The manifest validator makes it one mode per state."""
+    modes = {_output_mode(t) for t in graph.outputs if t.layer in state.layers}
+    return next(iter(modes)) if len(modes) == 1 else None
+
+
+def _first_output(graph: GraphSpec, state: StateSpec) -> int:
+    return next(i for i, t in enumerate(graph.outputs) if t.layer in state.layers)
+
+
+def _output_mode(t: TensorSpec) -> str:
+    if t.role in ("present_key", "present_value") or is_pool_output(t):
+        return "in_place"
+    return "slot_rows" if t.role == "new_conv_state" else "scatter_rows"
 
 
 @with_config(_STRICT)
@@ -295,6 +333,35 @@ class GenerationDefaults:
 
 @with_config(_STRICT)
 @dataclass(frozen=True)
+class ProfileSpec:
+    """One TensorRT optimization profile: per dynamic graph input, its min/opt/max shapes."""
+
+    name: Literal["prefill", "decode"]
+    shapes: dict[Name, tuple[tuple[Count, ...], tuple[Count, ...], tuple[Count, ...]]]
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class EngineSpec:
+    """A serialized engine built from graph ``(graph, target)`` by ``graphkiln build``: valid
+    only with the TensorRT version and the GPU's compute capability it records; the runtime
+    refuses it elsewhere (rebuild). ``profiles[i]`` is the engine's optimization profile i."""
+
+    graph: Name
+    target: Target
+    file: RelPath
+    backend: Literal["tensorrt"]
+    profiles: Annotated[tuple[ProfileSpec, ...], Field(min_length=1)]
+    max_batch: PosInt
+    max_seq_len: Annotated[int, Field(ge=2)]
+    tensorrt_version: Name
+    gpu_name: Text
+    compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$")]
+    timing_cache: RelPath | None = None
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
 class Manifest:
     model: ModelInfo
     graphs: Annotated[tuple[GraphSpec, ...], Field(min_length=1)]
@@ -304,13 +371,39 @@ class Manifest:
     tool_versions: dict[Text, Text]
     files: dict[RelPath, Sha256] = field(default_factory=dict)  # relative path -> sha256
     custom_ops: tuple[CustomOpRef, ...] = ()
+    engines: tuple[EngineSpec, ...] = ()
     format_version: int = FORMAT_VERSION
 
-    def graph(self, name: str) -> GraphSpec:
+    def graph(self, name: str, target: str | None = None) -> GraphSpec:
+        """Graph ``name`` lowered for ``target``; with no target, the one the CPU runtime prefers
+        (``graph_for(name, "onnxruntime")``)."""
+        if target is None:
+            return self.graph_for(name, "onnxruntime")
         for g in self.graphs:
-            if g.name == name:
+            if g.name == name and g.target == target:
                 return g
-        raise GraphkilnError(f"artifact has no graph '{name}' (it has {', '.join(g.name for g in self.graphs)})")
+        have = ", ".join(f"{g.name} ({g.target})" for g in self.graphs)
+        raise GraphkilnError(f"artifact has no graph '{name}' for target {target} (it has {have}): re-export it "
+                             f"with --target {target} (several targets: --target onnxruntime,{target})")
+
+    def graph_for(self, name: str, backend: str) -> GraphSpec:
+        """The graph ``name`` that ``backend`` runs best: its own target's, else the next in
+        ``BACKEND_TARGETS[backend]`` (onnxruntime runs every target's graph, through the custom
+        ops' function bodies; TensorRT builds only the tensorrt-target graph)."""
+        order = BACKEND_TARGETS[backend]
+        found = sorted((g for g in self.graphs if g.name == name and g.target in order),
+                       key=lambda g: order.index(g.target))
+        if found:
+            return found[0]
+        have = ", ".join(f"{g.name} ({g.target})" for g in self.graphs)
+        raise GraphkilnError(f"artifact has no graph '{name}' that {backend} runs (it has {have}): re-export it "
+                             f"with --target {order[0]}")
+
+    def engine_for(self, graph: GraphSpec, backend: str) -> EngineSpec | None:
+        for e in self.engines:
+            if e.graph == graph.name and e.target == graph.target and e.backend == backend:
+                return e
+        return None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -325,10 +418,11 @@ class Manifest:
         file checksummed; layers in range, each in one state, the graph's state tensors matching it;
         token ids inside the vocabulary."""
         vocab, num_layers = self.model.vocab_size, self.model.num_layers
+        keys = [(g.name, g.target) for g in self.graphs]
+        for i, (name, target) in enumerate(keys):
+            if (name, target) in keys[:i]:
+                raise _FieldError(("graphs", i, "name"), f"{name!r} appears twice for target {target}")
         names = [g.name for g in self.graphs]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise _FieldError(("graphs", i, "name"), f"{name!r} appears twice")
         if "decoder" not in names:
             raise _FieldError(("graphs",), "has no graph named 'decoder'")
         if MANIFEST_NAME in self.files:
@@ -364,15 +458,39 @@ class Manifest:
                     s = owner.get(t.layer)
                     if s is None or s.kind != kind:
                         raise _FieldError(where + ("layer",), f"{t.layer} has no {kind} state (see states[].layers)")
-                    if t.role == "new_conv_state" and is_pool_output(t) != (s.update == "in_place"):
-                        raise _FieldError(where + ("shape",), f"{list(t.shape)} does not match its conv state's "
-                                          f"update {s.update!r} (in_place returns the pool [slots, channels, width], "
-                                          "slot_rows the rows [batch, channels, width])")
+                    if side == "outputs" and _output_mode(t) != _output_mode(g.outputs[_first_output(g, s)]):
+                        first = g.outputs[_first_output(g, s)]
+                        raise _FieldError(where, f"{t.name!r} is updated {_output_mode(t)} but {first.name!r} of the "
+                                          f"same {kind} state {_output_mode(first)}: a graph updates a state one way")
                     want = (s.num_kv_heads, s.head_dim) if kind == "kv" else (s.channels, s.width)
                     got = (t.shape[1], t.shape[3]) if kind == "kv" else (t.shape[1], t.shape[2])
                     if any(isinstance(x, int) and x != y for x, y in zip(got, want)):
                         raise _FieldError(where + ("shape",), f"{list(t.shape)} does not match its {kind} state "
                                           f"({'num_kv_heads, head_dim' if kind == 'kv' else 'channels, width'} {list(want)})")
+        for i, e in enumerate(self.engines):
+            if (e.graph, e.target) not in keys:
+                raise _FieldError(("engines", i, "graph"), f"{e.graph!r} ({e.target}) is not a graph of this artifact")
+            if e.target != "tensorrt":
+                raise _FieldError(("engines", i, "target"), f"is {e.target}: TensorRT engines are built from the "
+                                  "tensorrt-target graph")
+            for loc, rel in ((("file",), e.file), (("timing_cache",), e.timing_cache)):
+                if rel is not None and rel not in self.files:
+                    raise _FieldError(("engines", i) + loc, f"{rel!r} is not listed in files (no checksum covers it)")
+            if e.max_seq_len > min(s.max_seq_len for s in self.states):
+                raise _FieldError(("engines", i, "max_seq_len"), f"is {e.max_seq_len}, longer than the states' "
+                                  f"max_seq_len {min(s.max_seq_len for s in self.states)}")
+            inputs = {t.name for t in self.graphs[keys.index((e.graph, e.target))].inputs}
+            for j, p in enumerate(e.profiles):
+                for name, shapes in p.shapes.items():
+                    if name not in inputs:
+                        raise _FieldError(("engines", i, "profiles", j, "shapes"), f"names {name!r}, not an input "
+                                          f"of graph {e.graph!r}")
+                    if len({len(x) for x in shapes}) != 1 or any(a > b for lo, hi in zip(shapes, shapes[1:])
+                                                                 for a, b in zip(lo, hi)):
+                        raise _FieldError(("engines", i, "profiles", j, "shapes", name),
+                                          f"{[list(x) for x in shapes]} is not min <= opt <= max of one rank")
+            if (e.graph, e.target, e.backend) in [(o.graph, o.target, o.backend) for o in self.engines[:i]]:
+                raise _FieldError(("engines", i), f"repeats the {e.backend} engine of graph {e.graph!r}")
         gen = self.generation
         for loc, token in [(("eos_token_ids", i), t) for i, t in enumerate(gen.eos_token_ids)] + [
                 (("bos_token_id",), gen.bos_token_id), (("pad_token_id",), gen.pad_token_id)]:
@@ -389,16 +507,26 @@ class Manifest:
             raise GraphkilnError(f"{where} is not valid JSON ({_one_line(str(exc) or type(exc).__name__)}): "
                                  "re-export the artifact") from None
         version = d.get("format_version") if isinstance(d, dict) else None
-        if version != FORMAT_VERSION or type(version) is not int:
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise GraphkilnError(
-                f"{where} has format_version {_show(version)}, this graphkiln reads {FORMAT_VERSION}: "
+                f"{where} has format_version {_show(version)}, this graphkiln reads "
+                f"{' and '.join(map(str, READABLE_VERSIONS))}: "
                 "re-export the artifact with this graphkiln or install the version that wrote it"
             )
+        updates = None
+        if version == 1:
+            text, updates = _from_format_1(d)
         try:
             # strict mode takes JSON arrays for tuples only when validating JSON, so validate the text itself
-            return _adapter().validate_json(text)
+            manifest = _adapter().validate_json(text)
         except ValidationError as exc:
             raise GraphkilnError(_summarise(exc, where)) from None
+        for i, (state, update) in enumerate(zip(manifest.states, updates or ())):
+            got = state_update(manifest.graphs[0], state)
+            if update != got:
+                raise GraphkilnError(f"{where}: states[{i}].update is {_show(update)}, but graph "
+                                     f"{manifest.graphs[0].file} updates that state {got}: re-export the artifact")
+        return manifest
 
     @classmethod
     def read(cls, artifact_dir: Path) -> "Manifest":
@@ -423,6 +551,22 @@ class Manifest:
             raise GraphkilnError(f"{path} has sha256 {digest}, not the expected {expected_digest.lower()}: "
                                  "the artifact is not the one pinned; restore it or pin the new digest")
         return cls.from_json(data, str(path)), digest
+
+
+def _from_format_1(d: dict) -> tuple[str, list]:
+    """A format-1 manifest as format-2 JSON text, and its states' recorded updates (checked
+    against the graph once validated). Format 1 had one graph and ``states[].update``."""
+    updates = []
+    states = d.get("states")
+    if isinstance(states, list):
+        for s in states:
+            if isinstance(s, dict):
+                default = "slot_rows" if s.get("kind") == "conv" else "scatter_rows"
+                updates.append(s.pop("update", default))
+    if isinstance(d.get("graphs"), list) and len(d["graphs"]) > 1:
+        raise GraphkilnError("a format-1 manifest has more than one graph: re-export the artifact")
+    d["format_version"] = FORMAT_VERSION
+    return json.dumps(d), updates
 
 
 @cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphkiln.manifest import MANIFEST_NAME, Manifest, artifact_file
+from graphkiln.manifest import MANIFEST_NAME, Manifest, artifact_file, state_update
 
 
 def _size(n: int) -> str:
@@ -32,7 +32,10 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
         lines.append(f"quant        {m.model.quant} weight-only (Linear layers, {scheme}blocks of {m.model.quant_block_size}, "
                      f"com.microsoft.MatMulNBits); embeddings and norms {m.model.dtype}")
     for g in m.graphs:
-        lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target})")
+        in_place = [f"{s.kind}{'' if s.sliding_window is None else f' window {s.sliding_window}'}"
+                    for s in m.states if state_update(g, s) == "in_place"]
+        lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target}"
+                     + (f"; writes {', '.join(in_place)} state in place" if in_place else "") + ")")
         shown = [t for t in g.inputs if t.layer in (None, 0)] + [t for t in g.outputs if t.layer in (None, 0)]
         for t in shown:
             kind = "in " if t in g.inputs else "out"
@@ -44,16 +47,18 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
         if s.kind == "conv":
             per_slot = s.channels * s.width * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
             lines.append(f"state        conv on layers {_ranges(s.layers)}: {s.channels} channels x {s.width} "
-                         f"(kernel - 1) per slot, {s.dtype} ({_size(per_slot)}/request)"
-                         + (", written in place by the graph" if s.update == "in_place" else ""))
+                         f"(kernel - 1) per slot, {s.dtype} ({_size(per_slot)}/request)")
             continue
         window = f", sliding window {s.sliding_window}" if s.sliding_window else ", full attention"
         per_token = 2 * s.num_kv_heads * s.head_dim * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
         lines.append(
             f"state        {s.kind} on layers {_ranges(s.layers)}: {s.num_kv_heads} kv heads x {s.head_dim}, "
             f"max {s.max_seq_len} tokens, {s.dtype}{window} ({_size(per_token)}/token)"
-            + (", written in place by the graph" if s.update == "in_place" else "")
         )
+    for e in m.engines:
+        lines.append(f"engine       {e.graph} ({e.target}): {e.file}, TensorRT {e.tensorrt_version} for {e.gpu_name} "
+                     f"(sm {e.compute_capability}), batch <= {e.max_batch}, <= {e.max_seq_len} tokens, profiles "
+                     + ", ".join(p.name for p in e.profiles))
     for op in m.custom_ops:
         lines.append(f"custom op    {op.domain}.{op.name} v{op.version} (TensorRT plugin "
                      f"{op.plugin_namespace}::{op.name} v{op.plugin_version}; onnxruntime runs its attached function)")

@@ -424,7 +424,7 @@ VALUE_CASES = [
     (("graphs", 0, "outputs", 1, "layer"), 7, "graphs[0].outputs[1] 'new_key.0' has no matching past_key input for layer 7"),
     # unknown or inconsistent values
     (("states", 0, "kind"), "ssm", "states[0].kind"),
-    (("states", 0, "update"), "slot_rows", "states[0].update of a kv state"),
+    (("states", 0, "update"), "slot_rows", "states[0].update is not a manifest field"),
     (("states", 0, "dtype"), "float64", "states[0].dtype"),
     (("graphs", 0, "inputs", 0, "dtype"), "complex128", "graphs[0].inputs[0].dtype"),
     (("graphs", 0, "inputs", 0, "role"), "logits", "graphs[0].inputs[0].role 'logits' is not a graph input role"),

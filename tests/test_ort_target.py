@@ -16,6 +16,7 @@ import onnx
 import pytest
 
 from conftest import PARITY_CASES
+from graphkiln.manifest import state_update
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.runtime import Engine, GenerationConfig
 
@@ -39,7 +40,7 @@ def test_portable_graph_has_no_onnxruntime_ops(tiny, name):
     assert case.manifest.graphs[0].target == "portable"
     attention = [i for i, l in enumerate(case.manifest.states) if l.kind == "kv"]
     assert ops[(DOMAIN, "Attention")] == sum(len(case.manifest.states[i].layers) for i in attention)
-    assert all(s.update in ("scatter_rows", "slot_rows") for s in case.manifest.states)
+    assert all(state_update(case.manifest.graphs[0], s) in ("scatter_rows", "slot_rows") for s in case.manifest.states)
 
 
 @pytest.mark.parametrize("name", PARITY_CASES)
@@ -55,13 +56,13 @@ def test_onnxruntime_graph_uses_fused_kernels(tiny, name):
         assert ops[(MS, "GroupQueryAttention")] == len(kv_layers)
         assert ops[(DOMAIN, "Attention")] == 0
         assert "Attention" not in {o.name for o in m.custom_ops}
-        assert all(s.update == "in_place" for s in m.states if s.kind == "kv")
+        assert all(state_update(m.graphs[0], s) == "in_place" for s in m.states if s.kind == "kv")
         assert {f"present_key.{i}" for i in kv_layers} <= names and not any(n.startswith("new_key") for n in names)
         assert "seq_lens" in roles
     else:  # left in its portable form, with the portable KV contract
         assert ops[(MS, "GroupQueryAttention")] == 0
         assert ops[(DOMAIN, "Attention")] == len(kv_layers)
-        assert all(s.update == "scatter_rows" for s in m.states if s.kind == "kv")
+        assert all(state_update(m.graphs[0], s) == "scatter_rows" for s in m.states if s.kind == "kv")
     layers = m.model.num_layers
     # one residual Add + RMSNorm pair per norm except the first layer's input norm
     assert ops[(MS, "SkipSimplifiedLayerNormalization")] == 2 * layers - 1

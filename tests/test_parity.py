@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import PARITY_CASES, SLIDING_CASES, SPECS, build_checkpoint, config_class, traits
+from graphkiln.manifest import state_update
 from graphkiln.runtime import GenerationConfig
 from reference import ATOL, forward_logits, greedy, max_abs, teacher_forced_logits
 
@@ -227,7 +228,7 @@ def test_fp16_artifact_verifies_within_half_precision_tolerance(llama_case, tmp_
                                                                     target=target))
     assert m.model.dtype == "fp16" and {s.dtype for s in m.states} == {"float16"}
     # the onnxruntime target runs GroupQueryAttention in fp16, writing the fp16 cache in place
-    assert {s.update for s in m.states} == {"in_place" if target == "onnxruntime" else "scatter_rows"}
+    assert {state_update(m.graphs[0], s) for s in m.states} == {"in_place" if target == "onnxruntime" else "scatter_rows"}
     assert {t.dtype for t in m.graph("decoder").inputs if t.role in ("past_key", "past_value")} == {"float16"}
     # half the weight bytes of the fp32 artifact
     fp32_bytes = (llama_case.artifact / "decoder.onnx.data").stat().st_size

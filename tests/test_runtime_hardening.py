@@ -520,7 +520,7 @@ def _kv(layers: int, heads: int, head_dim: int, max_seq_len: int = 2**62) -> Sta
     ((_kv(32, 8, 128),), 1, 10**7),  # ~80 TB... of a plausible model at a huge context
     ((_kv(1, 64, 64),), 2**40, 2**40),  # beyond int64: must not wrap to a small size
     ((_kv(1, 4, 64), StateSpec(kind="conv", layers=(1,), num_kv_heads=0, head_dim=0, max_seq_len=2**62,
-                               dtype="float32", update="slot_rows", channels=2**20, width=4)), 2**30, 16),
+                               dtype="float32", channels=2**20, width=4)), 2**30, 16),
 ])
 def test_state_pool_refuses_sizes_beyond_available_memory(specs, slots, capacity):
     pool = StatePool(specs, np.dtype(np.float32))

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 from cli_contract import assert_nothing_written, assert_one_error, run_cli
 from conftest import PARITY_CASES, SPECS
 from graphkiln.export.trt_check import TRT_VERSION, check_artifact, check_model, parse_support_list, support_list
-from graphkiln.manifest import Manifest
+from graphkiln.manifest import Manifest, state_update
 from graphkiln.ops import op_modules, specs
 from graphkiln.runtime import GenerationConfig
 from reference import ATOL, forward_logits, greedy, max_abs, teacher_forced_logits
@@ -126,7 +126,7 @@ def test_tensorrt_graph_has_the_parsers_shape(trt_case):
         assert graph_types[t.name] == graph_types[src.name], t.name
         if t.role == "new_conv_state":
             assert t.shape[0] == "slots"
-    assert {s.kind: s.update for s in m.states} == {s.kind: "in_place" for s in m.states}
+    assert {s.kind: state_update(m.graphs[0], s) for s in m.states} == {s.kind: "in_place" for s in m.states}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +327,8 @@ def _bad_manifest(art):
 
 def _conv_update_mismatch(art):
     d = json.loads((art / "manifest.json").read_text())
-    next(s for s in d["states"] if s["kind"] == "conv")["update"] = "slot_rows"
+    out = next(t for t in d["graphs"][0]["outputs"] if t["role"] == "new_conv_state")
+    out["shape"] = ["batch"] + out["shape"][1:]  # one layer returns rows, the others the whole pool
     (art / "manifest.json").write_text(json.dumps(d))
 
 
@@ -335,7 +336,7 @@ def _conv_update_mismatch(art):
     (_garbage_graph, ["decoder.onnx is not a readable ONNX model", "re-export"]),
     (_no_manifest, ["has no manifest.json"]),
     (_bad_manifest, ["graphs[0].target"]),
-    (_conv_update_mismatch, ["does not match its conv state's update 'slot_rows'"]),
+    (_conv_update_mismatch, ["of the same conv state", "a graph updates a state one way"]),
 ])
 def test_check_cli_refuses_a_non_artifact_with_one_error_line(tiny, artifact_copy, capsys, breakage, needles):
     art = artifact_copy(tiny("lfm2", TRT))

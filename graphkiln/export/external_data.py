@@ -267,7 +267,7 @@ def _write_all(f, chunk) -> int:
     return done
 
 
-def rewrite_external_data(model, path: Path, size_threshold: int = 1024) -> None:
+def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_data_name: str | None = None) -> None:
     """Save an ``onnx.ModelProto`` whose main-graph initializers are partly in memory and partly
     still in ``path``'s data file (``<file name>.data``), replacing both files.
 
@@ -276,6 +276,10 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024) -> None
     moved out of the proto. So memory holds only what a pass changed (the lowering's new
     tensors), never the whole model, as ``onnx.save(..., save_as_external_data=True)`` would
     after loading every weight.
+
+    With ``extra_data_name`` the data file is shared with other graphs and left untouched:
+    initializers still on disk keep pointing into it, and only the in-memory ones are written,
+    to ``extra_data_name`` (beside ``path``).
     """
     import os
 
@@ -285,9 +289,13 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024) -> None
     path = Path(path)
     data_name = f"{path.name}.data"
     old, new = path.parent / data_name, path.parent / f"{data_name}.partial"
+    if extra_data_name is not None:
+        old, new, data_name = path.parent / extra_data_name, path.parent / f"{extra_data_name}.partial", extra_data_name
     offset = 0
     with open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
         for t in model.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL and extra_data_name is not None:
+                continue  # stays in the shared data file
             if t.data_location == TensorProto.EXTERNAL:
                 info = {e.key: e.value for e in t.external_data}
                 if info.get("location") != data_name:

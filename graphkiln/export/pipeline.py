@@ -13,7 +13,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.export.assets import copy_tokenizer, generation_defaults
 from graphkiln.export.checkpoint import refuse_checkpoint_code, refuse_quantized, resolve_checkpoint
 from graphkiln.export.external_data import NonFiniteWeight
-from graphkiln.manifest import MANIFEST_NAME, CustomOpRef, Manifest, ModelInfo, StateSpec
+from graphkiln.manifest import MANIFEST_NAME, TARGETS, CustomOpRef, Manifest, ModelInfo, StateSpec
 from graphkiln.memory import available_memory
 from graphkiln.models.registry import family_for
 from graphkiln.publish import atomic_directory
@@ -26,7 +26,9 @@ class ExportOptions:
     opset: int = 23
     # "onnxruntime" (default; the embedded CPU runtime): custom ops lowered to onnxruntime
     # contrib ops where faster. "portable": standard ONNX + graphkiln custom ops (functions
-    # attached), parseable by TensorRT.
+    # attached). "tensorrt": the portable graph as TensorRT's parser takes it (AOT plugins,
+    # state in place). Several, comma-separated ("onnxruntime,tensorrt"): one graph per target
+    # in one artifact, over one weights file (see export_graphs).
     target: str = "onnxruntime"
     overwrite: bool = False
     progress: bool = True
@@ -42,7 +44,22 @@ def _say(opts: ExportOptions, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-TARGETS = ("portable", "onnxruntime", "tensorrt")
+# the graph written first (in place over the traced one, as decoder.onnx): the CPU runtime's
+# favourite when present; every other target's graph is decoder.<target>.onnx
+PRIMARY_ORDER = ("onnxruntime", "portable", "tensorrt")
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``--target`` as a tuple of distinct targets; one-line GraphkilnError otherwise."""
+    items = [t.strip() for t in str(text).split(",")]
+    for t in items:
+        if t not in TARGETS:
+            shown = repr(t) if t else "an empty name"
+            raise GraphkilnError(f"--target {text} names {shown}, not a target: choose from {', '.join(TARGETS)} "
+                                 "(several: comma-separated, e.g. onnxruntime,tensorrt)")
+        if items.count(t) > 1:
+            raise GraphkilnError(f"--target {text} names {t} twice: name each target once")
+    return tuple(items)
 
 
 def release_exporter_references() -> None:
@@ -75,7 +92,7 @@ def release_exporter_references() -> None:
 
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
-                          quant_symmetric: bool = True, say=lambda msg: None):
+                          quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
@@ -83,7 +100,8 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     The graph is loaded once without its weights; the MoE pass loads the expert gate_up
     tensors it interleaves, the quantizer reads each weight it quantizes from the data file,
     and a new data file is streamed from the old one (``rewrite_external_data``) when
-    weights changed.
+    weights changed. With ``shared_data`` (other graphs read the same data file) that file is
+    left as it is and the changed tensors go to a data file of their own.
     """
     import dataclasses
 
@@ -122,7 +140,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
     if rewritten or quantized:  # weights changed: a new data file, streamed from the old one
-        rewrite_external_data(model, path)
+        rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None)
     elif attention or skip_norms:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))
     left = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
@@ -188,6 +206,47 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
+def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions):
+    """Lower the traced graph (``out_dir / traced.file``, weights in its data file) once per
+    target; returns the graph specs (primary first, see ``PRIMARY_ORDER``) and the custom ops
+    any of them uses.
+
+    Every graph reads the traced data file where its weights are the traced ones: the other
+    targets' graphs are copies of the traced proto (a few MB at most; the weights stay in the
+    one data file), lowered before the primary is lowered in place. Only tensors a lowering
+    changes (onnxruntime's interleaved MoE experts) get a data file of their own, so a
+    multi-target MoE artifact carries the experts' gate/up weights twice.
+    """
+    import dataclasses
+    import shutil
+
+    primary = next(t for t in PRIMARY_ORDER if t in targets)
+    others = [t for t in PRIMARY_ORDER if t in targets and t != primary]
+    graphs, ops = [], {}
+    for target in others + [primary]:
+        graph = traced
+        if target != primary:
+            graph = dataclasses.replace(traced, file=f"{Path(traced.file).stem}.{target}.onnx")
+            shutil.copyfile(out_dir / traced.file, out_dir / graph.file)
+        t0 = time.perf_counter()
+        graph_ops = used_ops
+        if target == "onnxruntime":
+            release_exporter_references()
+            graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used_ops, opts.quant, opts.quant_block_size,
+                                                     opts.quant_symmetric, say=lambda msg: _say(opts, msg),
+                                                     shared_data=len(targets) > 1)
+            _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t0:.1f}s")
+        elif target == "tensorrt":
+            from graphkiln.export.lowering.trt_target import lower_for_tensorrt
+
+            graph, rewritten = lower_for_tensorrt(out_dir, graph)
+            _say(opts, f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)"
+                 + (f" in {graph.file}" if len(targets) > 1 else ""))
+        graphs.append(graph)
+        ops.update({(o.domain, o.name, o.version): o for o in graph_ops})
+    return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
+
+
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
     from graphkiln.export.onnx_export import NP_DTYPE, SUPPORTED_OPSETS, export_decoder
     from graphkiln.models.config import architecture_of
@@ -195,18 +254,16 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
-    target = opts.target
-    if target not in TARGETS:
-        raise GraphkilnError(f"--target {target} is not supported: choose one of {', '.join(TARGETS)}")
+    targets = parse_targets(opts.target)
     if opts.quant is not None:
         from graphkiln.export.lowering.quantize import MATMUL_NBITS_BLOCK_SIZES, QUANT_BITS, block_size_ok
 
         if opts.quant not in QUANT_BITS:
             raise GraphkilnError(f"--quant {opts.quant} is not supported: choose one of {', '.join(QUANT_BITS)}")
-        if target == "tensorrt":
+        if "tensorrt" in targets:
             raise GraphkilnError(f"--quant {opts.quant} is not supported with --target tensorrt yet (quantized "
                                  "artifacts use onnxruntime's MatMulNBits): drop --quant, or use --target onnxruntime")
-        if target != "onnxruntime":
+        if targets != ("onnxruntime",):
             raise GraphkilnError(f"--quant {opts.quant} needs --target onnxruntime: quantized artifacts are "
                                  "onnxruntime-target (com.microsoft.MatMulNBits); drop --target portable")
         if opts.dtype not in ("fp32", "fp16"):
@@ -217,7 +274,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
                                  f"accepts {', '.join(map(str, MATMUL_NBITS_BLOCK_SIZES))}")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
-    if target == "tensorrt":
+    if "tensorrt" in targets:
         from graphkiln.export.lowering.trt_target import TRT_OPSET
 
         if opts.opset != TRT_OPSET:
@@ -255,7 +312,6 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             traced = export_decoder(decoder, tmp, opts.opset)
         except NonFiniteWeight as exc:
             raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
-        graph, used_ops = traced.graph, traced.custom_ops
         state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
         del decoder  # before the lowering, which loads (some of) the weights again
         if traced.stamp_refused:
@@ -263,18 +319,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         n_traced = len(traced.traced_layers)
         how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
-        if target == "onnxruntime":
-            t2 = time.perf_counter()
-            release_exporter_references()
-            graph, used_ops = lower_for_onnxruntime(tmp, graph, used_ops, opts.quant, opts.quant_block_size,
-                                                    opts.quant_symmetric,
-                                                    say=lambda msg: _say(opts, msg))
-            _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t2:.1f}s")
-        elif target == "tensorrt":
-            from graphkiln.export.lowering.trt_target import lower_for_tensorrt
-
-            graph, rewritten = lower_for_tensorrt(tmp, graph)
-            _say(opts, f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)")
+        graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts)
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)
@@ -282,21 +327,18 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         attention = cfg.layers_of("attention")
         for window in dict.fromkeys(cfg.layers[i].window for i in attention):
             layers = tuple(i for i in attention if cfg.layers[i].window == window)
-            in_place = any(t.role == "present_key" and t.layer in layers for t in graph.outputs)
             states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype,
-                                    update="in_place" if in_place else "scatter_rows", sliding_window=window))
+                                    sliding_window=window))
         if cfg.layers_of("conv"):
-            pool_out = any(t.role == "new_conv_state" and t.shape[0] == "slots" for t in graph.outputs)
             states.append(StateSpec("conv", cfg.layers_of("conv"), 0, 0, max_seq_len, state_dtype,
-                                    layout="slots,channels,width", update="in_place" if pool_out else "slot_rows",
-                                    channels=cfg.hidden_size, width=cfg.conv_kernel - 1))
+                                    layout="slots,channels,width", channels=cfg.hidden_size, width=cfg.conv_kernel - 1))
 
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(
             model=ModelInfo(arch, str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
                             quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None,
                             quant_symmetric=opts.quant_symmetric if opts.quant else None),
-            graphs=(graph,),
+            graphs=graphs,
             states=tuple(states),
             generation=generation,
             tokenizer_files=tokenizer_files,

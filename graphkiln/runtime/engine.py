@@ -14,14 +14,13 @@ import numpy as np
 from graphkiln.artifact import check_artifact, is_sha256
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
-from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
+from graphkiln.runtime.backends import check_choice, open_backend
+from graphkiln.runtime.decoder import numpy_dtype
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
 from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
-from graphkiln.runtime.state import StatePool
 from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 KNOWN_STATE_KINDS = {"kv", "conv"}
-KNOWN_STATE_UPDATES = {"scatter_rows", "in_place", "slot_rows"}  # see graphkiln.manifest
 Prompt = str | Sequence[int]
 BUSY = "this Engine is already generating: use one Engine per concurrent caller"
 # Padded prompt positions are masked out of attention and of the returned state rows, so any
@@ -75,18 +74,17 @@ class Engine:
     """
 
     def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None, *,
-                 manifest_digest: str | None = None) -> None:
+                 manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
+                 target: str | None = None) -> None:
         """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
+        device = device or ("cuda" if backend == "tensorrt" else "cpu")
+        check_choice(backend, device, target)
         self.artifact_dir = artifact_dir
         self.manifest = manifest
         self.manifest_digest = manifest_digest  # sha256 of manifest.json, when loaded from disk
         unknown = {s.kind for s in manifest.states} - KNOWN_STATE_KINDS
         if unknown:
             raise GraphkilnError(f"artifact needs state kind(s) {sorted(unknown)} this runtime does not support: upgrade graphkiln")
-        unknown = {s.update for s in manifest.states} - KNOWN_STATE_UPDATES
-        if unknown:
-            raise GraphkilnError(f"artifact needs state update(s) {sorted(unknown)} this runtime does not support: "
-                                 "upgrade graphkiln")
         known_ops = _known_custom_ops()
         for op in manifest.custom_ops:
             if (op.domain, op.name, op.version) not in known_ops:
@@ -96,22 +94,27 @@ class Engine:
                 )
         if threads is not None and not (_is_int(threads) and threads >= 1):
             raise GraphkilnError(f"threads must be an integer >= 1, got {threads!r}: omit it to use every core")
-        self.decoder = DecoderGraph(artifact_dir, manifest.graph("decoder"), threads)
+        self.backend, self.device = backend, device
+        self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
-        self.pool = StatePool(manifest.states, self.state_dtype)
         tok = artifact_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
     def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True,
-             expected_digest: str | None = None) -> "Engine":
+             expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
+             target: str | None = None) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
         the artifact: any other manifest, hence (files are then always checked) any other file,
-        is refused."""
+        is refused. ``backend``/``device`` choose what runs it (``runtime.backends``; default
+        onnxruntime on the CPU), ``target`` which of the artifact's graphs (default: the one the
+        backend runs best)."""
+        device = device or ("cuda" if backend == "tensorrt" else "cpu")
+        check_choice(backend, device, target)
         root = Path(artifact_dir)
         if expected_digest is not None and not is_sha256(expected_digest):
             raise GraphkilnError(f"expected digest {expected_digest!r} is not a sha256 (64 hex digits): "
@@ -120,7 +123,7 @@ class Engine:
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
-        return cls(root, manifest, threads, manifest_digest=digest)
+        return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target)
 
     # -- inputs ---------------------------------------------------------------------------
 

@@ -1,0 +1,54 @@
+"""Which graph runs on what: ``open_backend`` turns (artifact, backend, device) into the step
+runner and the state pool the ``Engine`` generates with.
+
+A step runner has ``spec`` (the ``GraphSpec`` it runs) and ``run(pool, input_ids, position_ids,
+logits_index, lengths) -> logits [n, n_logits, vocab]`` (numpy, host memory) over the live
+slots ``0..n-1`` of its pool; a pool has ``reserve(slots, capacity)``, ``claim()`` and
+``release(slot)`` as ``StatePool`` defines them. The engine owns both for its life.
+
+Backends: ``onnxruntime`` on ``cpu`` (the embedded default: ``DecoderGraph`` + ``StatePool``),
+``onnxruntime`` on ``cuda`` (onnxruntime-gpu's CUDA execution provider), ``tensorrt`` (built
+engines, ``graphkiln build``; always ``cuda``). Each imports its libraries only when chosen,
+so the CPU runtime needs onnxruntime and numpy alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.manifest import TARGETS, Manifest
+
+BACKENDS = ("onnxruntime", "tensorrt")
+DEVICES = ("cpu", "cuda")
+
+
+def check_choice(backend: object, device: object, target: object) -> None:
+    """One-line refusals for a backend/device/target the runtime does not have."""
+    if backend not in BACKENDS:
+        raise GraphkilnError(f"backend {backend!r} is not supported: choose one of {', '.join(BACKENDS)}")
+    if device not in DEVICES:
+        raise GraphkilnError(f"device {device!r} is not supported: choose one of {', '.join(DEVICES)}")
+    if backend == "tensorrt" and device != "cuda":
+        raise GraphkilnError("backend tensorrt runs on device cuda: pass device='cuda' (or leave device unset)")
+    if target is not None and target not in TARGETS:
+        raise GraphkilnError(f"graph target {target!r} is not one of {', '.join(TARGETS)}")
+
+
+def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: str, threads: int | None,
+                 target: str | None = None):
+    """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
+    lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``)."""
+    spec = manifest.graph("decoder", target) if target else manifest.graph_for("decoder", backend)
+    if backend == "onnxruntime" and device == "cpu":
+        from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
+        from graphkiln.runtime.state import StatePool
+
+        return DecoderGraph(artifact_dir, spec, threads), StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype))
+    if backend == "onnxruntime":
+        from graphkiln.runtime.ort_cuda import open_onnxruntime_cuda
+
+        return open_onnxruntime_cuda(artifact_dir, manifest, spec, threads)
+    from graphkiln.runtime.trt_runner import open_tensorrt
+
+    return open_tensorrt(artifact_dir, manifest, spec)
