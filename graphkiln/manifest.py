@@ -68,10 +68,11 @@ MAX_MANIFEST_BYTES = 16 << 20  # a 100-layer model's manifest is ~100 KB; refuse
 STATE_KINDS = ("kv", "conv")
 KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value")
 CONV_ROLES = ("conv_state", "new_conv_state")
-INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "seq_lens", "slot_idx", "past_key", "past_value", "conv_state")
+INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
+               "slot_idx", "past_key", "past_value", "conv_state")
 OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value")
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three
-DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots")
+DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows")
 _ALLOCATED_DIMS = ("batch", "seq", "n_logits")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)

@@ -36,6 +36,9 @@ def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[T
         TensorSpec("position_ids", "int64", ("batch", "seq"), "position_ids"),
         TensorSpec("logits_index", "int64", ("batch", "n_logits"), "logits_index"),
     ]
+    if cfg.vision_seam:
+        ins += [TensorSpec("vision_embeddings", dtype, ("vision_rows", cfg.hidden_size), "vision_embeddings"),
+                TensorSpec("vision_scatter_indices", "int64", ("vision_rows",), "vision_scatter_indices")]
     if cfg.layers_of("conv"):
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
@@ -109,6 +112,11 @@ def _trace(model: DecoderForExport, opset: int):
     args: list = [torch.zeros(b, s, dtype=torch.long), torch.arange(s).expand(b, s).contiguous(), torch.zeros(b, n, dtype=torch.long)]
     dynamic: list = [{0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 1: n_logits}]
     states, state_dims = [], []  # forward(*rest): one pytree entry holding everything after logits_index
+    if cfg.vision_seam:
+        rows = 3  # out-of-range index included: the skip is traced too
+        states += [torch.zeros(rows, cfg.hidden_size, dtype=dtype), torch.tensor([0, b * s + 1, 2], dtype=torch.long)]
+        vision_rows = Dim("vision_rows")
+        state_dims += [{0: vision_rows}, {0: vision_rows}]
     if cfg.layers_of("conv"):
         states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
         state_dims += [{0: batch}, {0: batch}]

@@ -84,6 +84,9 @@ class DecoderConfig:
     conv_bias: bool = False
     attention_gate: bool = False  # per-head sigmoid gate on the attention output (LFM3)
     sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3)
+    # The decoder of a vision-language model: its graph takes vision_embeddings and
+    # vision_scatter_indices (see models.decoder), the seam the vision graph's output enters by.
+    vision_seam: bool = False
     # The raw HF config dict, for rope init functions that want more fields.
     raw: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 

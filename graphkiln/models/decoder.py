@@ -12,6 +12,13 @@ Graph contract (one graph serves prefill and decode):
   input_ids     int64 [batch, seq]      right-padded when rows differ in length
   position_ids  int64 [batch, seq]      start_b + arange(seq); start_b = tokens already cached
   logits_index  int64 [batch, n_logits] which of the seq positions to produce logits for
+  vision_embeddings      [vision_rows, hidden] (model dtype)  } only in a vision-language
+  vision_scatter_indices int64 [vision_rows]                  } model's decoder (vision_seam)
+                row r replaces the embedding of flat token row vision_scatter_indices[r]
+                (b * seq + s) of this step; rows whose index is outside [0, batch*seq) are
+                skipped, so a prompt prefilled in chunks can pass every image row each time
+                and each lands once. A step without images passes zero rows: the signature
+                never changes (a captured CUDA graph or a TensorRT profile replays it as it is).
   seq_lens      int64 [batch]           real tokens per row      (only with conv layers)
   slot_idx      int64 [batch]           row b's conv-state slot  (only with conv layers)
   then per layer, in layer order:
@@ -186,6 +193,19 @@ class DecoderLayer(nn.Module):
         return x + h, new
 
 
+def scatter_vision_rows(x: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The seam: token embeddings ``x`` [b, s, h] with flat row ``indices[r]`` replaced by
+    ``rows[r]``. Out-of-range indices go to a spare row that is dropped (one ScatterND, no
+    data-dependent shapes: a zero-row step is the same graph)."""
+    b, s, h = x.shape
+    n = b * s
+    flat = torch.cat([x.reshape(n, h), x.new_zeros(1, h)], 0)
+    inside = (indices >= 0) & (indices < n)
+    target = torch.where(inside, indices, torch.full_like(indices, n))
+    flat = flat.index_put((target,), rows.to(x.dtype))
+    return flat[:n].reshape(b, s, h)
+
+
 class DecoderBody(nn.Module):
     """Named ``model`` in the parent so parameter names match HF's ``model.*``."""
 
@@ -234,12 +254,15 @@ class DecoderForExport(nn.Module):
         return 2 if self.cfg.layers[i].mixer == "attention" else 1
 
     def forward(self, input_ids, position_ids, logits_index, *rest):
+        x = self.model.embed_tokens(input_ids)
+        if self.cfg.vision_seam:
+            x = scatter_vision_rows(x, rest[0], rest[1])
+            rest = rest[2:]
         if self.has_conv:
             seq_lens, slot_idx, states = rest[0], rest[1], rest[2:]
         else:
             seq_lens = slot_idx = None
             states = rest
-        x = self.model.embed_tokens(input_ids)
         rope = {name: self.rope_tables(name) for name in self.rope_flavors}
         new_states = []
         for i, layer in enumerate(self.model.layers):

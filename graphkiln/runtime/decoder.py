@@ -97,6 +97,9 @@ class DecoderGraph:
             ) from None
         _check_io(self.session, spec)
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
+        seam = next((t for t in spec.inputs if t.role == "vision_embeddings"), None)
+        if seam is not None:  # zero rows: a step without images
+            self._no_vision_rows = np.zeros((0, seam.shape[1]), numpy_dtype(seam.dtype))
         self.states = [(t.role, t.layer, t.name) for t in spec.inputs if t.layer is not None]
         self.outputs = [t.name for t in spec.outputs]
         self.new = [(t.role, t.layer) for t in spec.outputs]
@@ -119,11 +122,14 @@ class DecoderGraph:
                             if t.role in ("new_key", "new_value", "new_conv_state") and not is_pool_output(t)]
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
-            logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+            logits_index: np.ndarray, lengths: np.ndarray,
+            vision: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """One forward over the live slots 0..n-1 (n = len(input_ids)); returns logits [n, n_logits, vocab].
 
         Row b is slot b and holds ``lengths[b]`` real tokens starting at position
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
+        ``vision`` = (embeddings [rows, hidden], flat token-row indices [rows]) for a
+        vision-language decoder (the seam, models.decoder); None passes zero rows.
         The logits array may be a buffer this object reuses: valid until the next ``run``
         (copy what must outlive it).
         """
@@ -131,6 +137,9 @@ class DecoderGraph:
         slot_idx = np.arange(n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
+        if "vision_embeddings" in self.names:
+            rows, indices = vision if vision is not None else (self._no_vision_rows, np.zeros(0, np.int64))
+            given["vision_embeddings"], given["vision_scatter_indices"] = rows, indices.astype(np.int64)
         if self.present or self.pool_outputs:
             outs = self._run_bound(pool, n, given, {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
         else:
