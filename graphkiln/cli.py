@@ -1,4 +1,4 @@
-"""The ``graphkiln`` command: export, inspect, run, verify, check, demo.
+"""The ``graphkiln`` command: export, inspect, run, verify, check, build, demo.
 
 Every user error surfaces as one ``error: ...`` line on stderr and exit status 2.
 """
@@ -90,7 +90,8 @@ def _run(args) -> int:
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
-    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target)
+    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
+                         backend=args.backend, device=args.device)
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
     sampling = (args.temperature is not None and args.temperature > 0) or (
         args.temperature is None and (args.top_k is not None or args.top_p is not None))
@@ -147,6 +148,15 @@ def _check(args) -> int:
     report = check_artifact(args.artifact)  # backend: tensorrt, the only choice
     print(report.summary())
     return 0 if report.passed else 1
+
+
+def _build(args) -> int:
+    from graphkiln.build import build
+
+    result = build(args.artifact, backend=args.backend, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                   log=lambda line: print(line, flush=True))
+    print(result.summary())
+    return 0
 
 
 def _demo(args) -> int:
@@ -218,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
     r.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
                    help="run the graph exported for this target (default: the artifact's best graph for onnxruntime)")
+    r.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"],
+                   help="what runs the graph: onnxruntime (default) or the TensorRT engine 'graphkiln build' made")
+    r.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="cpu (default for onnxruntime) or cuda (onnxruntime-gpu with CUDA graphs: pip install "
+                        "'graphkiln[cuda]', see README; tensorrt always runs on cuda)")
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
@@ -236,6 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensorrt: every node against the TensorRT ONNX parser's operator list (vendored, with its "
                         "version); exit 1 if anything would fail")
     c.set_defaults(fn=_check)
+
+    b = sub.add_parser("build", help="build a TensorRT engine for an artifact's tensorrt-target graph (NVIDIA GPU)")
+    b.add_argument("artifact")
+    b.add_argument("--backend", required=True, choices=["tensorrt"],
+                   help="tensorrt: TensorRT 11 engine (plan + timing cache) written into the artifact's "
+                        "engines/tensorrt/ and recorded in its manifest (which changes its digest)")
+    b.add_argument("--max-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="most requests served at once: the state pools' slots (default 8)")
+    b.add_argument("--max-seq-len", type=_int_at_least(2), default=None, metavar="L",
+                   help="most tokens per request, prompt included: the state pools' capacity (default and upper "
+                        "bound: the artifact's max sequence length)")
+    b.set_defaults(fn=_build)
 
     d = sub.add_parser("demo", help="build, export, verify and run a small random Llama (no network)")
     d.add_argument("--workdir", default=None, metavar="DIR",

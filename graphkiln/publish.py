@@ -44,7 +44,7 @@ from graphkiln.manifest import MANIFEST_NAME
 # How a refused destination is fixed, appended to every refusal about an existing path.
 _ONLY_ARTIFACTS = "choose another --output (--overwrite replaces only a graphkiln artifact or an empty directory)"
 
-# Signals held (not lost) while a directory is created, renamed or removed; see _signals_held.
+# Signals held (not lost) while a directory is created, renamed or removed; see signals_held.
 _HELD_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
@@ -84,7 +84,7 @@ def termination_signals_interrupt(signums: Sequence[int] = ()) -> Iterator[None]
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM/SIGHUP for a short step that must finish (a rename, a removal), then
     deliver them to the handlers they would have reached.
 
@@ -320,17 +320,17 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False,
     created: list[Path] = []
     tmp: Path | None = None
     try:
-        with _signals_held():
+        with signals_held():
             _make_parents(target.parent, created)
             tmp = Path(tempfile.mkdtemp(prefix=_hidden_prefix(target, "partial"), dir=target.parent))
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a published artifact follows the umask
         yield tmp
-        with _signals_held():
+        with signals_held():
             _publish(tmp, target, overwrite)
     except BaseException as exc:
-        with _signals_held():
+        with signals_held():
             if tmp is not None and os.path.lexists(tmp):
                 _remove_tree(tmp)
             for d in reversed(created):

@@ -22,7 +22,7 @@ import pytest
 
 from graphkiln.cli import main
 from graphkiln.manifest import MANIFEST_NAME, Manifest
-from graphkiln.publish import Interrupted, _signals_held, termination_signals_interrupt
+from graphkiln.publish import Interrupted, signals_held, termination_signals_interrupt
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -199,7 +199,7 @@ def test_signals_during_a_publication_step_are_delivered_after_it():
     done = []
     with termination_signals_interrupt():
         with pytest.raises(Interrupted) as info:
-            with _signals_held():
+            with signals_held():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.05)  # the handler would have run by now if it were not held
                 done.append("step finished")

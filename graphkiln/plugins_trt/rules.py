@@ -547,8 +547,20 @@ def compile_plan(plan: aot.LaunchPlan, dtype: str, arch: int) -> aot.CompiledKer
 
 
 def device_arch(default: int = 90) -> int:
-    """The compute capability to compile for: the current CUDA device's (major*10 + minor)
-    when torch sees one, else ``default``. tensorrt.plugin does not tell the plugin."""
+    """The compute capability to compile for: the current CUDA device's (major*10 + minor),
+    asked through cuda-python (the tensorrt extra's) or else torch, else ``default``.
+    tensorrt.plugin does not tell the plugin."""
+    try:
+        from cuda.bindings import runtime as cudart
+
+        err, device = cudart.cudaGetDevice()
+        if err == cudart.cudaError_t.cudaSuccess:
+            err, major = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, device)
+            err2, minor = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, device)
+            if err == err2 == cudart.cudaError_t.cudaSuccess:
+                return major * 10 + minor
+    except Exception:  # no cuda-python or no device: try torch
+        pass
     try:
         import torch
 

@@ -209,7 +209,7 @@ class DecoderGraph:
         """
         import onnxruntime as ort
 
-        key = (n, pool.generation)
+        key = (n, id(pool), pool.generation)  # another pool (generations start alike) is another binding
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
         binding = self.session.io_binding()

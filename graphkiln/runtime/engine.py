@@ -97,7 +97,8 @@ class Engine:
         self.backend, self.device = backend, device
         self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
-        self.max_seq_len = min(s.max_seq_len for s in manifest.states)
+        # an engine built for fewer tokens than the states allow caps requests at its capacity
+        self.max_seq_len = min([s.max_seq_len for s in manifest.states] + [getattr(self.pool, "max_capacity", 10**18)])
         tok = artifact_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
         self._busy = threading.Lock()  # held by the running session; see the class docstring
