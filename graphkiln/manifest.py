@@ -58,6 +58,7 @@ from pydantic import (AfterValidator, ConfigDict, Field, PlainValidator, TypeAda
                       model_validator, with_config)
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.imaging import ImagePreprocessing, PlaceholderRule, check_compatible
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # format 1 had states[].update (see the module docstring)
@@ -69,10 +70,17 @@ STATE_KINDS = ("kv", "conv")
 KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value")
 CONV_ROLES = ("conv_state", "new_conv_state")
 INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
-               "slot_idx", "past_key", "past_value", "conv_state")
-OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value")
+               "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "pixel_values",
+               "image_grid_thw")
+OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
+# graph name -> (input roles, output roles) it may have; "vision" is a vision-language model's encoder:
+# preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
+GRAPH_ROLES = {
+    "decoder": (INPUT_ROLES[:11], OUTPUT_ROLES[:6]),
+    "vision": (("pixel_values", "image_grid_thw"), ("image_embeddings",)),
+}
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three
-DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows")
+DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows", "images", "patches", "image_rows")
 _ALLOCATED_DIMS = ("batch", "seq", "n_logits")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -195,19 +203,30 @@ class GraphSpec:
 
     @model_validator(mode="after")
     def _io_consistent(self) -> "GraphSpec":
-        for side, tensors, roles in (("inputs", self.inputs, INPUT_ROLES), ("outputs", self.outputs, OUTPUT_ROLES)):
+        if self.name not in GRAPH_ROLES:
+            raise _FieldError(("name",), f"{self.name!r} is not a graph this runtime runs ({', '.join(GRAPH_ROLES)})")
+        graph_inputs, graph_outputs = GRAPH_ROLES[self.name]
+        for side, tensors, roles in (("inputs", self.inputs, graph_inputs), ("outputs", self.outputs, graph_outputs)):
             names, keys = set(), set()
             for i, t in enumerate(tensors):
                 if t.role not in roles:
-                    raise _FieldError((side, i, "role"), f"{t.role!r} is not a graph {side[:-1]} role")
+                    raise _FieldError((side, i, "role"), f"{t.role!r} is not a{'n' if self.name[0] in 'aeiou' else ''} "
+                                      f"{self.name} graph {side[:-1]} role")
                 if t.name in names:
                     raise _FieldError((side, i, "name"), f"{t.name!r} appears twice")
                 if (t.role, t.layer) in keys:
                     raise _FieldError((side, i), f"repeats role {t.role} for layer {t.layer}")
                 names.add(t.name)
                 keys.add((t.role, t.layer))
+        if self.name == "vision":
+            if sum(t.role == "image_embeddings" for t in self.outputs) != 1 or not any(
+                    t.role == "pixel_values" for t in self.inputs):
+                raise _FieldError(("outputs",), "of a vision graph must be one image_embeddings tensor, from pixel_values")
+            return self
         if sum(t.role == "logits" for t in self.outputs) != 1:
             raise _FieldError(("outputs",), "must hold exactly one logits tensor")
+        if sum(t.role in ("vision_embeddings", "vision_scatter_indices") for t in self.inputs) not in (0, 2):
+            raise _FieldError(("inputs",), "must hold vision_embeddings and vision_scatter_indices together (the seam)")
         inputs = {(t.role, t.layer) for t in self.inputs}
         for i, t in enumerate(self.outputs):
             # a layer's new rows go into (or are written in place over) the state the graph read
@@ -361,6 +380,26 @@ class EngineSpec:
     timing_cache: RelPath | None = None
 
 
+DEFAULT_MAX_IMAGE_PIXELS = 64 << 20  # images larger than this are refused before they are decoded
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class VisionSpec:
+    """How a vision-language artifact turns an image into decoder rows: the runtime decodes it
+    (at most ``max_image_pixels``, checked before decoding), preprocesses it as the model's
+    processor does (``preprocessing``), runs the ``vision`` graph, and the image's
+    ``placeholder``-many ``image_token_id`` tokens in the prompt take its embedding rows, in
+    order, through the decoder's seam. ``positions``: "1d" (placeholders count as ordinary
+    positions)."""
+
+    image_token_id: Count
+    preprocessing: ImagePreprocessing
+    placeholder: PlaceholderRule
+    positions: Literal["1d"] = "1d"
+    max_image_pixels: PosInt = DEFAULT_MAX_IMAGE_PIXELS
+
+
 @with_config(_STRICT)
 @dataclass(frozen=True)
 class Manifest:
@@ -373,6 +412,7 @@ class Manifest:
     files: dict[RelPath, Sha256] = field(default_factory=dict)  # relative path -> sha256
     custom_ops: tuple[CustomOpRef, ...] = ()
     engines: tuple[EngineSpec, ...] = ()
+    vision: VisionSpec | None = None
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str, target: str | None = None) -> GraphSpec:
@@ -492,6 +532,28 @@ class Manifest:
                                           f"{[list(x) for x in shapes]} is not min <= opt <= max of one rank")
             if (e.graph, e.target, e.backend) in [(o.graph, o.target, o.backend) for o in self.engines[:i]]:
                 raise _FieldError(("engines", i), f"repeats the {e.backend} engine of graph {e.graph!r}")
+        has_vision_graph = "vision" in names
+        seams = [g for g in self.graphs if g.name == "decoder" and any(t.role == "vision_embeddings" for t in g.inputs)]
+        if self.vision is not None:
+            if not has_vision_graph:
+                raise _FieldError(("vision",), "is set but the artifact has no graph named 'vision'")
+            if len(seams) != names.count("decoder"):
+                raise _FieldError(("vision",), "is set but a decoder graph lacks the vision_embeddings seam")
+            if self.vision.image_token_id >= vocab:
+                raise _FieldError(("vision", "image_token_id"), f"is {self.vision.image_token_id}, outside the "
+                                  f"vocabulary [0, {vocab})")
+            try:
+                check_compatible(self.vision.preprocessing, self.vision.placeholder)
+            except ValueError as exc:
+                raise _FieldError(("vision", "placeholder"), str(exc)) from None
+            hidden = self.model.hidden_size
+            for i, g in enumerate(self.graphs):
+                for j, t in enumerate(g.outputs if g.name == "vision" else g.inputs):
+                    if t.role in ("image_embeddings", "vision_embeddings") and t.shape[-1] != hidden:
+                        raise _FieldError(("graphs", i, "outputs" if g.name == "vision" else "inputs", j, "shape"),
+                                          f"ends in {t.shape[-1]}, not the model's hidden size {hidden}")
+        elif has_vision_graph or seams:
+            raise _FieldError(("vision",), "is missing: the artifact has a vision graph or seam but no vision spec")
         gen = self.generation
         for loc, token in [(("eos_token_ids", i), t) for i, t in enumerate(gen.eos_token_ids)] + [
                 (("bos_token_id",), gen.bos_token_id), (("pad_token_id",), gen.pad_token_id)]:
