@@ -159,6 +159,10 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
     where: dict = {}  # node -> part
     variant: dict = {v: k for v, k in state_owner.items()}  # value -> the part whose data it carries
     variant[embedding] = 0
+    # The prologue: unscoped-to-a-layer nodes between the embedding and the first layer (a
+    # vision-language decoder's seam, models.decoder.scatter_vision_rows). Computed once, like
+    # the invariant part; their result, not the embedding, is the first layer's residual input.
+    prologue = {embedding}
     for node in graph:
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             raise StampRefused(f"node {node.name} has a subgraph")
@@ -167,13 +171,20 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
         for v in node.inputs:
             if v in weight_of:
                 deps.add(weight_of[v][0])
-            elif v in variant and not (shape_only and (v in state_owner or v is embedding)):
+            elif v in variant and not (shape_only and (v in state_owner or v in prologue)):
                 deps.add(variant[v])  # shapes of states and of the embedding are the same for every layer
         if not deps:
             where[node] = -1
             continue
         scope = node.metadata_props.get(_SCOPES)
         m = _LAYER_SCOPE.search(scope) if scope is not None else None
+        if m is None and scope is not None and all(v in prologue for v in node.inputs if v in variant) \
+                and not any(v in weight_of for v in node.inputs):
+            where[node] = -1
+            for o in node.outputs:
+                variant[o] = 0
+                prologue.add(o)
+            continue
         if m is not None:
             part = int(m.group(1))
         elif scope is None:  # made by the optimizer: belongs with what it reads
@@ -196,8 +207,9 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
     for k, layer in enumerate(layers):
         read = {v for n in layer.nodes for v in n.inputs}
         entering = {v for v in read if v in variant and variant[v] != k and v not in state_owner}
-        if k == 0:  # the embedding is seeded as layer 0's; nothing else may come in
-            entering = {embedding} if embedding in read and not entering else entering | {None}
+        if k == 0:  # the prologue's result (the embedding, or the seam's) is seeded as layer 0's
+            starts = {v for v in read if v in prologue}
+            entering = starts if len(starts) == 1 and not entering else entering | starts | {None}
         if len(entering) != 1 or (k > 0 and variant[next(iter(entering))] != k - 1):
             raise StampRefused(f"template layer {k} reads {len(entering)} values from outside it")
         layer.residual_in = next(iter(entering))
