@@ -45,6 +45,7 @@ class Spec:
     tokenizer: bool = False
     max_shard_size: str | None = None  # save sharded (model-0000x-of-0000y.safetensors + index)
     generation_config: dict | None = None  # written as generation_config.json when given
+    preprocessor_config: dict | None = None  # a vision-language model's image processor settings
 
 
 _COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, max_position_embeddings=256, initializer_range=0.15)
@@ -159,8 +160,59 @@ SPECS: dict[str, Spec] = {
             seed=25,
             features=("conv_state", "hybrid", "sliding_window", "two_kv_flavors", "attention_gate", "sandwich_norm"),
         ),
+        Spec(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            # 2:1 local/global layers (sliding_window_pattern 3), each kind with its own rope (the
+            # global one linear-scaled as Gemma3-4b's is); query_pre_attn_scalar differs from head_dim
+            # so the attention scale is tested; gemma3 weights RMSNorms as (1 + w).
+            dict(_COMMON, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=3,
+                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                 tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+            seed=26,
+            features=("gqa", "tied", "qk_norm", "sliding_window", "two_kv_flavors", "sandwich_norm", "rope_linear",
+                      "embed_scale", "attention_scale", "norm_weight_offset", "gelu_tanh"),
+        ),
     ]
 }
+
+# Vision-language models: a tiny tower (32x32 images, 8x8 patches: 16 patches) in front of a tiny
+# text decoder. Not in PARITY_CASES (their reference is not a causal LM); tests/test_vlm_*.py.
+_TINY_TEXT = dict(_COMMON, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, image_size=32, patch_size=8,
+                   num_channels=3)
+VLM_SPECS: dict[str, Spec] = {
+    s.name: s
+    for s in [
+        Spec(
+            "llava_clip",
+            "LlavaForConditionalGeneration",
+            dict(text_config=dict(_TINY_TEXT, model_type="llama", tie_word_embeddings=False),
+                 vision_config=dict(_TINY_TOWER, model_type="clip_vision_model", num_hidden_layers=3,
+                                    hidden_act="quick_gelu"),
+                 image_token_index=317, vision_feature_layer=-2, vision_feature_select_strategy="default",
+                 projector_hidden_act="gelu"),
+            seed=31,
+            features=("vlm", "clip_tower", "drop_cls", "penultimate_layer"),
+            preprocessor_config={"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
+                                 "crop_size": {"height": 32, "width": 32}},
+        ),
+        Spec(
+            "llava_siglip",
+            "LlavaForConditionalGeneration",
+            dict(text_config=dict(_TINY_TEXT, model_type="qwen2", tie_word_embeddings=True),
+                 vision_config=dict(_TINY_TOWER, model_type="siglip_vision_model", num_hidden_layers=2),
+                 image_token_index=300, vision_feature_layer=[-1, -2], vision_feature_select_strategy="full",
+                 projector_hidden_act="gelu", multimodal_projector_bias=False),
+            seed=32,
+            features=("vlm", "siglip_tower", "two_feature_layers", "qwen2_text"),
+            preprocessor_config={"image_processor_type": "SiglipImageProcessor", "size": {"height": 32, "width": 32}},
+        ),
+    ]
+}
+
 
 def traits(spec: Spec) -> set[str]:
     """Attention/model variants a spec really has, derived from its config (not from its labels)."""
@@ -194,7 +246,9 @@ SLIDING_CASES = [n for n, s in SPECS.items() if "sliding_window" in traits(s)]
 def config_class(architecture: str):
     import transformers
 
-    return getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    # Gemma3Config is the vision-language one; its text model has a config class of its own
+    return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        architecture, architecture.replace("ForCausalLM", "Config").replace("ForConditionalGeneration", "Config")))
 
 
 def model_class(architecture: str):
@@ -240,6 +294,8 @@ def build_checkpoint(spec: Spec, out_dir: Path, seed: int | None = None) -> Path
     model.save_pretrained(out_dir, **save_kwargs)
     if spec.generation_config is not None:
         (out_dir / "generation_config.json").write_text(json.dumps(spec.generation_config))
+    if spec.preprocessor_config is not None:
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(spec.preprocessor_config))
     return out_dir
 
 
@@ -316,7 +372,7 @@ def tiny(tmp_path_factory):
 
     def get(name: str, target: str = "portable") -> Case:
         if (name, target) not in built:
-            spec = SPECS[name]
+            spec = SPECS[name] if name in SPECS else VLM_SPECS[name]
             ckpt = root / name / "checkpoint"
             if not ckpt.exists():
                 build_checkpoint(spec, ckpt)

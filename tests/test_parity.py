@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PARITY_CASES, SLIDING_CASES, SPECS, build_checkpoint, config_class, traits
+from conftest import PARITY_CASES, SLIDING_CASES, SPECS, VLM_SPECS, build_checkpoint, config_class, traits
 from graphkiln.manifest import state_update
 from graphkiln.runtime import GenerationConfig
 from reference import ATOL, forward_logits, greedy, max_abs, teacher_forced_logits
@@ -30,7 +30,8 @@ def _greedy_config(steps: int = STEPS) -> GenerationConfig:
 def test_every_supported_architecture_has_a_parity_case():
     from graphkiln.models.registry import supported_architectures
 
-    covered = {SPECS[n].architecture for n in PARITY_CASES}
+    # vision-language architectures have theirs in VLM_SPECS (tests/test_vlm_export.py, test_vlm_runtime.py)
+    covered = {SPECS[n].architecture for n in PARITY_CASES} | {s.architecture for s in VLM_SPECS.values()}
     missing = set(supported_architectures()) - covered
     assert not missing, f"architectures without a parity case in tests/conftest.py: {sorted(missing)}"
 

@@ -67,6 +67,26 @@ def read_generation_config(src: Path) -> dict:
     return gen
 
 
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+def read_preprocessor_config(src: Path) -> dict:
+    """preprocessor_config.json as a dict: a vision-language checkpoint's image processor settings,
+    required (the artifact must preprocess images exactly as the model was trained)."""
+    path = src / PREPROCESSOR_CONFIG
+    if not path.is_file():
+        raise GraphkilnError(f"{src} has no {PREPROCESSOR_CONFIG}: a vision-language checkpoint needs its image "
+                             "processor's settings; save the processor with the model (processor.save_pretrained)")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GraphkilnError(f"{PREPROCESSOR_CONFIG} in {src} is not valid JSON ({str(exc)[:120]}): fix it or "
+                             "re-save the processor") from None
+    if not isinstance(d, dict):
+        raise GraphkilnError(f"{PREPROCESSOR_CONFIG} in {src} is not a JSON object: fix it or re-save the processor")
+    return d
+
+
 def generation_defaults(src: Path, raw_config: dict, vocab_size: int | None = None,
                         note: Callable[[str], None] = lambda msg: None) -> GenerationDefaults:
     """The sampling defaults an artifact records, from generation_config.json (else config.json).

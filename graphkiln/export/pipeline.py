@@ -247,6 +247,24 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
     return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
 
 
+def export_vision_graph(src: Path, family, vcfg, cfg, dtype: str, out_dir: Path, graphs: tuple, opts: ExportOptions):
+    """Trace the vision graph spec beside the decoder graphs; returns the graphs with it and the
+    manifest's VisionSpec."""
+    from graphkiln.export.vision_export import export_vision
+    from graphkiln.manifest import VisionSpec
+
+    t0 = time.perf_counter()
+    module = family.vision.build(src, vcfg, opts.dtype)
+    try:
+        graph = export_vision(module, vcfg, cfg.hidden_size, dtype, out_dir, opts.opset)
+    except NonFiniteWeight as exc:
+        raise GraphkilnError(f"vision weight '{exc.initializer}' has NaN or infinite values (or overflows --dtype "
+                             f"{opts.dtype}): re-download the checkpoint, or export with --dtype fp32") from None
+    del module
+    _say(opts, f"      vision graph traced in {time.perf_counter() - t0:.1f}s ({graph.file})")
+    return (*graphs, graph), VisionSpec(vcfg.image_token_id, vcfg.preprocessing, vcfg.placeholder)
+
+
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
     from graphkiln.export.onnx_export import NP_DTYPE, SUPPORTED_OPSETS, export_decoder
     from graphkiln.models.config import architecture_of
@@ -298,6 +316,15 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
                       "max_position_embeddings in config.json")
     generation = generation_defaults(src, raw, cfg.vocab_size, note=lambda msg: _say(opts, msg))
     check_checkpoint(src, family, cfg)
+    vcfg = None
+    if family.vision is not None:
+        from graphkiln.export.assets import read_preprocessor_config
+
+        vcfg = family.vision.parse(raw, read_preprocessor_config(src))
+        family.vision.check(src, vcfg)
+        if vcfg.image_token_id >= cfg.vocab_size:
+            raise GraphkilnError(f"config.json: image token id {vcfg.image_token_id} is outside the text vocabulary "
+                                 f"[0, {cfg.vocab_size}): fix image_token_index")
 
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src,)) as tmp:
         t0 = time.perf_counter()
@@ -320,6 +347,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
         _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
         graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts)
+        vision = None
+        if vcfg is not None:
+            graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)
@@ -345,7 +375,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             tool_versions=tool_versions(),
             files=checksum_tree(tmp),
             custom_ops=tuple(CustomOpRef(o.domain, o.name, o.version, o.plugin_namespace, o.plugin_version) for o in used_ops),
-        )
+            vision=vision,
+        ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")
     return manifest

@@ -83,7 +83,15 @@ class DecoderConfig:
     conv_kernel: int = 0
     conv_bias: bool = False
     attention_gate: bool = False  # per-head sigmoid gate on the attention output (LFM3)
-    sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3)
+    sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3, Gemma3)
+    # Numerical conventions some families have; each default is the Llama behaviour.
+    embed_scale: float | None = None  # token embeddings times this, as an fp32 scalar cast to the model dtype (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # multiplies q.k; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    # Checkpoint RMSNorm weights are stored as an offset from this (Gemma keeps w, computes x * (1 + w)):
+    # the loader adds it in fp32 before the cast to the model dtype, so the graph holds the plain scale
+    # and its norms fuse (onnxruntime's and TensorRT's norm kernels then scale in fp32, as Gemma does).
+    norm_weight_offset: float = 0.0
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) in the model dtype (Gemma2-style)
     # The decoder of a vision-language model: its graph takes vision_embeddings and
     # vision_scatter_indices (see models.decoder), the seam the vision graph's output enters by.
     vision_seam: bool = False

@@ -77,6 +77,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
 
     def forward(self, x, rope_tables, position_ids, past_k, past_v):
         from graphkiln.ops import torch_op
@@ -88,7 +89,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
         cos, sin = rope_tables
         out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, self.num_heads,
-                                                  self.num_kv_heads, self.window or 0, self.head_dim**-0.5)
+                                                  self.num_kv_heads, self.window or 0, self.scale)
         if self.g_proj is not None:
             out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
         return self.o_proj(out), new_k, new_v
@@ -255,6 +256,11 @@ class DecoderForExport(nn.Module):
 
     def forward(self, input_ids, position_ids, logits_index, *rest):
         x = self.model.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:
+            # Before the seam: image rows enter unscaled (Gemma3's get_placeholder_mask replaces the
+            # already-scaled text embeddings). The scalar is rounded to the model dtype first, as
+            # the reference does (sqrt(3072) is 55.5 in bf16).
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
         if self.cfg.vision_seam:
             x = scatter_vision_rows(x, rest[0], rest[1])
             rest = rest[2:]
@@ -272,7 +278,11 @@ class DecoderForExport(nn.Module):
 
         index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         x = torch.gather(x, 1, index)
-        logits = self.lm_head(self.model.norm(x)).to(torch.float32)
+        logits = self.lm_head(self.model.norm(x))
+        if self.cfg.final_logit_softcap is not None:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.to(torch.float32)
         return (logits, *new_states)
 
     def _offset(self, layer: int) -> int:

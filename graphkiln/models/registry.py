@@ -15,7 +15,8 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.sources import Source
 
-_BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "lfm2", "lfm2_moe", "lfm3")
+_BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "lfm2", "lfm2_moe", "lfm3",
+                          "gemma3", "llava")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class ModelFamily:
     # Canonical parameter name -> where its tensor comes from in the checkpoint. Identity
     # for the Llama-style families because the canonical names are Llama's on purpose.
     source: Callable[[str, DecoderConfig], Source] = lambda name, cfg: name
+    # A vision-language model's vision graph spec (models.vision); None for a text-only model.
+    vision: object | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
-from graphkiln.models.decoder import DecoderForExport
+from graphkiln.models.decoder import DecoderForExport, RMSNorm
 from graphkiln.models.registry import ModelFamily
 from graphkiln.models.sources import Alt, Cat, Source, Stack, fused_source, names_in
 
@@ -87,6 +87,30 @@ def _open_shards(model_dir: Path) -> dict[str, Path]:
                 f"{shard.name} is truncated or corrupt ({str(exc).splitlines()[0]}): re-download or re-save the checkpoint"
             ) from None
     return where
+
+
+def read_tensors(model_dir: Path, names: list[str], dtype: str) -> dict[str, torch.Tensor]:
+    """The named checkpoint tensors in ``dtype`` (float types only, like the decoder's): for the
+    graph specs beside the decoder (a vision tower), which load whole modules by name."""
+    where = _open_shards(model_dir)
+    reader = _Reader(where)
+    try:
+        out = {}
+        for name in names:
+            stored = reader.header(name)["dtype"]
+            if stored not in _SAFETENSORS_DTYPES:
+                raise GraphkilnError(f"checkpoint tensor '{name}' is stored as {stored}, not as a float type: export "
+                                     "the unquantized float checkpoint")
+            out[name] = reader.read(name).to(DTYPES[dtype])
+        return out
+    finally:
+        reader.close()
+
+
+def tensor_headers(model_dir: Path) -> dict[str, dict]:
+    """Every checkpoint tensor's safetensors header entry ({"dtype", "shape", ...}), no data read."""
+    reader = _Reader(_open_shards(model_dir))
+    return {name: reader.header(name) for name in reader.where}
 
 
 class _Entry(NamedTuple):
@@ -271,7 +295,8 @@ def _plan(reader: _Reader, family: ModelFamily, cfg: DecoderConfig, model: Decod
         _check_shape(reader, src, tuple(wanted[name].shape), name)
     read = {leaf for src in resolved.values() for leaf in _leaves(src)}
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # transformers ties it to the embedding
-    unread = sorted((n for n in reader.where if n not in read and n not in ignorable
+    vision = family.vision.reads if family.vision is not None else (lambda name: False)  # the vision graph's
+    unread = sorted((n for n in reader.where if n not in read and n not in ignorable and not vision(n)
                      and not any(p.search(n) for p in IGNORABLE_TENSORS)), key=_natural)
     if unread:
         count = f"{len(unread)} tensors" if len(unread) > 1 else "1 tensor"
@@ -306,6 +331,7 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
     wanted = _wanted(model, cfg)
     sources = _plan(reader, family, cfg, model)
 
+    offset_norms = _offset_norm_weights(model, cfg)
     state: dict[str, torch.Tensor] = {}
     try:
         for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -316,6 +342,8 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
                     f"weight '{name}' has shape {tuple(t.shape)} but config.json implies {expected}: "
                     "the safetensors files do not match config.json"
                 )
+            if name in offset_norms:  # 1 + w in fp32, as the reference computes it, then the model dtype
+                t = t.to(torch.float32) + cfg.norm_weight_offset
             state[name] = t if t.dtype == torch_dtype else t.to(torch_dtype)
             del t
     finally:
@@ -328,6 +356,13 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def _offset_norm_weights(model: DecoderForExport, cfg: DecoderConfig) -> set[str]:
+    """The RMSNorm weights ``cfg.norm_weight_offset`` is added to on load (none when it is 0)."""
+    if not cfg.norm_weight_offset:
+        return set()
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
 
 
 def find_non_finite(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str,
