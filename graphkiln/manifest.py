@@ -76,7 +76,9 @@ OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key
 # graph name -> (input roles, output roles) it may have; "vision" is a vision-language model's encoder:
 # preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
 GRAPH_ROLES = {
-    "decoder": (INPUT_ROLES[:11], OUTPUT_ROLES[:6]),
+    "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
+                 "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length"),
+                ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value")),
     "vision": (("pixel_values", "image_grid_thw"), ("image_embeddings",)),
 }
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three

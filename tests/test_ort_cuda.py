@@ -24,10 +24,10 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import StateSpec
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.cuda_graphs import GraphKey
-from graphkiln.runtime.ort_cuda import (CUDA_EP, NEEDS_ORT_GPU, ORT_GPU_REQUIREMENT, SKIP_CAPTURE, Assigned,
-                                        DevicePool, GraphIds, HostMemory, StepPlan, assigned_nodes,
-                                        blockers_refusal, capture_blockers, check_bf16, check_graph, open_on_host,
-                                        plan_step)
+from graphkiln.runtime.device_state import DevicePool, HostMemory
+from graphkiln.runtime.ort_cuda import (CUDA_EP, NEEDS_ORT_GPU, ORT_GPU_REQUIREMENT, SKIP_CAPTURE, Assigned, GraphIds,
+                                        StepPlan, assigned_nodes, blockers_refusal, capture_blockers, check_bf16,
+                                        check_graph, open_on_host, plan_step)
 from graphkiln.runtime.state import StatePool
 
 HAS_CUDA_EP = CUDA_EP in ort.get_available_providers()
@@ -164,20 +164,19 @@ CONV = StateSpec("conv", (1,), 0, 0, 16, "float32", layout="slots,channels,width
 
 
 def _views(pool: DevicePool) -> dict[tuple[str, int], np.ndarray]:
-    m = pool.memory
-    return {**{("key", l): m.view(r.ptr, r.shape, r.dtype) for l, r in pool.keys.items()},
-            **{("value", l): m.view(r.ptr, r.shape, r.dtype) for l, r in pool.values.items()},
-            **{("conv", l): m.view(r.ptr, r.shape, r.dtype) for l, r in pool.conv.items()}}
+    return {key: pool.memory.view(buf) for key, buf in pool.buffers.items()}
 
 
 def test_device_pool_sizes_and_addresses():
-    pool = DevicePool((KV, CONV), "float32", HostMemory(), (1, 2, 4, 8))
+    pool = DevicePool((KV, CONV), HostMemory(), 16, buckets=(1, 2, 4, 8))
     pool.reserve(3, 10)
     assert (pool.slots, pool.physical_slots, pool.generation) == (3, 4, 1)  # rounded up to the bucket
-    assert pool.keys[0].shape == (4, 2, 16, 4) and pool.conv[1].shape == (4, 3, 2)  # full max_seq_len
-    ptrs = [r.ptr for r in pool.regions()]
+    # the artifact's full max_seq_len
+    assert pool.buffers["key", 0].shape == (4, 2, 16, 4) and pool.buffers["conv", 1].shape == (4, 3, 2)
+    ptrs = [b.address for b in pool.buffers.values()]
     pool.reserve(2, 16)
-    assert (pool.slots, pool.generation) == (2, 1) and [r.ptr for r in pool.regions()] == ptrs  # nothing moves
+    assert (pool.slots, pool.generation) == (2, 1)
+    assert [b.address for b in pool.buffers.values()] == ptrs  # nothing moves
     pool.reserve(5, 4)
     assert (pool.physical_slots, pool.generation) == (8, 2)
     pool.reserve(9, 4)  # above every bucket: exactly what was asked
@@ -192,7 +191,7 @@ def test_device_pool_sizes_and_addresses():
 def test_device_pool_moves_rows_like_state_pool():
     """Claims and releases over host memory leave every live slot's rows where StatePool does."""
     rng = np.random.default_rng(0)
-    dev = DevicePool((KV, CONV), "float32", HostMemory(), (1, 2, 4))
+    dev = DevicePool((KV, CONV), HostMemory(), 16, buckets=(1, 2, 4))
     ref = StatePool((KV, CONV), np.dtype(np.float32))
     dev.reserve(4, 16)
     ref.reserve(4, 16)
@@ -216,15 +215,11 @@ def test_device_pool_moves_rows_like_state_pool():
 
 
 def test_device_pool_refuses_what_memory_cannot_hold():
-    class Small(HostMemory):
-        def available(self):
-            return 4096
-
-    pool = DevicePool((KV, CONV), "float32", Small(), (1, 2, 4))
+    pool = DevicePool((KV, CONV), HostMemory(limit=4096), 16, buckets=(1, 2, 4))
     with pytest.raises(GraphkilnError, match=r"state pools for 4 slot\(s\) x 16 tokens") as info:
         pool.reserve(3, 8)
     assert "\n" not in str(info.value)
-    assert (pool.slots, pool.physical_slots, pool.generation, pool.regions()) == (0, 0, 0, [])
+    assert (pool.slots, pool.physical_slots, pool.generation, pool.buffers) == (0, 0, 0, {})
 
 
 def test_host_memory_refuses_out_of_block_access():
@@ -279,6 +274,116 @@ def test_prompt_logits_run_plain(llama_ort):
     for w, g in zip(llama_ort.engine.prompt_logits(prompts), engine.prompt_logits(prompts)):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
     assert len(engine.decoder.graphs.cache) == 0
+
+
+# -- total_sequence_length from the host ------------------------------------------------------
+
+def _onnx(case):
+    import onnx
+
+    spec = case.engine.decoder.spec
+    return spec, onnx.load(str(case.artifact / spec.file), load_external_data=False)
+
+
+@pytest.mark.parametrize("which", ["llama_ort", "lfm2_ort"])
+def test_total_sequence_length_is_a_host_input_of_every_gqa(request, which):
+    """onnxruntime's CUDA GroupQueryAttention reads input 6 in host memory: the graph takes it
+    as its own int32 scalar input, recorded in the manifest, and computes it nowhere (a value
+    computed on the device would be copied to the host inside the step: no capture)."""
+    spec, model = _onnx(request.getfixturevalue(which))
+    total = [t for t in spec.inputs if t.role == "total_sequence_length"]
+    assert [(t.name, t.dtype, t.shape, t.layer) for t in total] == [("total_sequence_length", "int32", (), None)]
+    graph_input = next(i for i in model.graph.input if i.name == "total_sequence_length")
+    assert graph_input.type.tensor_type.elem_type == 6 and len(graph_input.type.tensor_type.shape.dim) == 0
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(n.input[6] == "total_sequence_length" for n in gqa)
+    assert not [n for n in model.graph.node if n.op_type == "ReduceMax"]
+    assert not [o for n in model.graph.node for o in n.output if o.endswith("total_sequence_length")]
+
+
+def _older_artifact(case, art):
+    """``art`` rewritten as artifacts were exported before total_sequence_length was an input:
+    the graph computes it (max(position_ids[:, 0] + seq_lens), int32) and the manifest lacks it."""
+    import json
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    spec, model = _onnx(case)
+    g = model.graph
+    pos = next(t.name for t in spec.inputs if t.role == "position_ids")
+    lens = next(t.name for t in spec.inputs if t.role == "seq_lens")
+    keep = [i for i in g.input if i.name != "total_sequence_length"]
+    del g.input[:]
+    g.input.extend(keep)
+    one = helper.make_tensor("", TensorProto.INT64, [1], [1])
+    zero = helper.make_tensor("", TensorProto.INT64, [1], [0])
+    computed = [helper.make_node("Constant", [], ["old.zero"], value=zero),
+                helper.make_node("Constant", [], ["old.one"], value=one),
+                helper.make_node("Slice", [pos, "old.zero", "old.one", "old.one"], ["old.start2d"]),
+                helper.make_node("Squeeze", ["old.start2d", "old.one"], ["old.start"]),
+                helper.make_node("Add", ["old.start", lens], ["old.total"]),
+                helper.make_node("ReduceMax", ["old.total"], ["old.max"], keepdims=0),
+                helper.make_node("Cast", ["old.max"], ["total_sequence_length"], to=TensorProto.INT32)]
+    nodes = computed + list(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
+    onnx.save(model, str(art / spec.file))  # the weights stay in the data file beside it
+    manifest = json.loads((art / "manifest.json").read_text())
+    for graph in manifest["graphs"]:
+        graph["inputs"] = [t for t in graph["inputs"] if t["role"] != "total_sequence_length"]
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("which", ["llama_ort", "lfm2_ort"])
+def test_cpu_runtime_feeds_it_and_older_graphs_still_run(request, which, artifact_copy):
+    """The CPU runtime's host-computed value gives exactly the logits the graph's own
+    computation gave (prefill of unequal prompts, then decode as rows stop), and an artifact
+    without the input runs, fed nothing."""
+    case = request.getfixturevalue(which)
+    old = artifact_copy(case)
+    _older_artifact(case, old)
+    older = Engine.load(old, check_files=False)
+    assert not [t for t in older.decoder.spec.inputs if t.role == "total_sequence_length"]
+    prompts = case.prompts((11, 3, 6), salt=61)
+    cfg = GenerationConfig(max_new_tokens=8, do_sample=False, output_logits=True, stop_token_ids=())
+    want, got = older.generate(prompts, cfg), case.engine.generate(prompts, cfg)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_array_equal(g.logits, w.logits)
+    for w, g in zip(older.prompt_logits(prompts), case.engine.prompt_logits(prompts)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_total_sequence_length_of_a_step():
+    from graphkiln.runtime.decoder import total_sequence_length
+
+    for starts, lengths, want in [([0, 0], [5, 3], 5), ([7, 2, 9], [1, 1, 1], 10), ([0], [1], 1), ([4, 0], [2, 6], 6)]:
+        pos = np.array(starts, np.int64)[:, None] + np.arange(3)
+        got = total_sequence_length(pos, np.array(lengths, np.int64))
+        assert got.dtype == np.int32 and got.shape == () and int(got) == want
+
+
+def test_one_token_prompts_on_the_decode_graph(llama_ort):
+    """A batch of one-token prompts plans like decode (one token, one logit per row), so it runs
+    on a bucket's binding, whose total_sequence_length is the buffers' capacity, not the step's
+    1 (capture_total_sequence_length): GroupQueryAttention then takes its decode path with an
+    empty past, which must give the prompt path's logits."""
+    engine = _host_engine(llama_ort, 4)
+    prompts = [[5], [9], [17]]
+    cfg = GenerationConfig(max_new_tokens=6, do_sample=False, output_logits=True, stop_token_ids=())
+    want, got = llama_ort.engine.generate(prompts, cfg), engine.generate(prompts, cfg)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logits, w.logits, rtol=0, atol=1e-5)
+    assert engine.decoder.graphs.cache.stats.replays == 6 - 1  # the prompts' step is bucket 4's first run
+
+
+def test_older_graph_refusal_says_re_export():
+    blockers = Counter({"MemcpyToHost": 1, "ReduceMax": 1})
+    old = blockers_refusal("decoder.onnx", blockers, "float16", feeds_total=False)
+    assert "\n" not in old and "MemcpyToHost" in old and "re-export the artifact" in old
+    assert "re-export the artifact" not in blockers_refusal("decoder.onnx", blockers, "float16", feeds_total=True)
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 (graphkiln.runtime.device_state).
 
 What runs here (CPU, no TensorRT): every decision the runner makes. The device pool and step
-buffers run over host memory (``HostMemory``: real bytes, real copies); ``EngineStepRunner``
+buffers run over host memory (``device_state.HostMemory``: real bytes, real copies); ``EngineStepRunner``
 (padding, buckets, bindings, graph keys, warm-up, replay-or-enqueue) drives an executor that runs
 the artifact's tensorrt-target graph in onnxruntime, bound by raw address to exactly the
 buffers and shapes the runner binds for TensorRT, where a "graph" replays the binding captured
@@ -11,13 +11,12 @@ generations must equal the CPU runtime's. The refusals (no engine, no TensorRT, 
 version or GPU, mismatched engine tensors, shapes outside a profile) are checked for real.
 
 What does not run here: TensorRT and CUDA themselves (``TrtExecutor``, ``_Cuda``,
-``CudaMemory``); ``test_tensorrt_engine_generates_like_the_cpu_runtime`` runs them where
+``device_state.CudaMemory``); ``test_tensorrt_engine_generates_like_the_cpu_runtime`` runs them where
 TensorRT and a GPU exist.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import importlib.util
 import shutil
@@ -30,7 +29,7 @@ from graphkiln.manifest import EngineSpec, TensorSpec
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.cuda_graphs import CaptureFailed, decode_buckets
 from graphkiln.runtime.decoder import numpy_dtype
-from graphkiln.runtime.device_state import DeviceBuffer, DevicePool, StepBuffers, bind_step, check_in_place, io_roles
+from graphkiln.runtime.device_state import DevicePool, HostMemory, StepBuffers, bind_step, check_in_place, io_roles
 from graphkiln.runtime.state import StatePool
 from graphkiln.runtime.trt_runner import (DECODE, INSTALL, PREFILL, EngineStepRunner, StepPlan, check_compatible,
                                           check_engine_io, check_logits, check_profile, find_engine, logits_per_row,
@@ -38,57 +37,6 @@ from graphkiln.runtime.trt_runner import (DECODE, INSTALL, PREFILL, EngineStepRu
 
 TRT = "tensorrt"
 MAX_BATCH, SEQ = 4, 64  # the engine's sizes in these tests (the artifact's states hold 128)
-
-
-class HostMemory:
-    """``DeviceMemory`` over host memory: every address is inside an array this object
-    allocated (checked before each copy, so a wrong address fails the test instead of
-    corrupting the process). Fresh allocations hold 0xFF bytes (NaN as float32), so a read of
-    memory nobody wrote shows up."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.arrays: dict[int, np.ndarray] = {}
-        self.limit = limit
-
-    def alloc(self, nbytes: int) -> int:
-        a = np.full(max(nbytes, 1), 0xFF, np.uint8)
-        self.arrays[a.ctypes.data] = a
-        return a.ctypes.data
-
-    def free(self, address: int) -> None:
-        del self.arrays[address]
-
-    def _check(self, address: int, nbytes: int) -> None:
-        for base, a in self.arrays.items():
-            if base <= address and address + nbytes <= base + a.nbytes:
-                return
-        raise AssertionError(f"{nbytes} bytes at {address:#x} are not inside one allocation")
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        self._check(dst, nbytes)
-        self._check(src, nbytes)
-        ctypes.memmove(dst, src, nbytes)
-
-    def zero(self, address: int, nbytes: int) -> None:
-        self._check(address, nbytes)
-        ctypes.memset(address, 0, nbytes)
-
-    def upload(self, dst: int, array: np.ndarray) -> None:
-        assert array.flags.c_contiguous
-        self._check(dst, array.nbytes)
-        ctypes.memmove(dst, array.ctypes.data, array.nbytes)
-
-    def download(self, out: np.ndarray, src: int) -> None:
-        self._check(src, out.nbytes)
-        ctypes.memmove(out.ctypes.data, src, out.nbytes)
-
-    def free_bytes(self) -> int | None:
-        return self.limit
-
-    def view(self, buf: DeviceBuffer, dtype) -> np.ndarray:
-        base = next(b for b, a in self.arrays.items() if b <= buf.address < b + a.nbytes)
-        start = buf.address - base
-        return self.arrays[base][start: start + buf.nbytes].view(dtype).reshape(buf.shape)
 
 
 class OrtHostExecutor:
@@ -169,7 +117,7 @@ def _engine_spec(case, max_batch: int = MAX_BATCH, max_seq_len: int = SEQ, **kw)
 def _runner(case, refuse=(), memory=None):
     spec = case.manifest.graph("decoder", TRT)
     memory = memory or HostMemory()
-    pool = DevicePool(case.manifest.states, MAX_BATCH, SEQ, memory)
+    pool = DevicePool(case.manifest.states, memory, SEQ, max_slots=MAX_BATCH)
     executor = OrtHostExecutor(case.artifact, spec, case.vocab_size, refuse)
     return EngineStepRunner(spec, _engine_spec(case), pool, case.vocab_size, executor), pool, executor, memory
 
@@ -182,11 +130,11 @@ def test_device_pool_keeps_the_state_pool_contract(tiny):
     case = _hybrid(tiny)
     states = case.manifest.states
     memory = HostMemory()
-    dev = DevicePool(states, 5, 12, memory)
+    dev = DevicePool(states, memory, 12, max_slots=5)
     ref = StatePool(states, np.dtype(np.float32))
     ref.reserve(5, 12)
     dev.reserve(5, 12)
-    arrays = {k: memory.view(b, np.float32) for k, b in dev.buffers.items()}
+    arrays = {k: memory.view(b) for k, b in dev.buffers.items()}
     refs = {("key", l): a for l, a in ref.keys.items()} | {("value", l): a for l, a in ref.values.items()} | {
         ("conv", l): a for l, a in ref.conv.items()}
     assert arrays.keys() == refs.keys()
@@ -207,7 +155,7 @@ def test_device_pool_keeps_the_state_pool_contract(tiny):
             np.testing.assert_array_equal(arrays[k], refs[k], err_msg=f"{k} after step {step}")
     assert dev.nbytes == ref.nbytes
     dev.close()
-    assert memory.arrays == {}
+    assert memory.blocks == {}
 
 
 def test_device_pool_refusals(tiny):
@@ -215,11 +163,11 @@ def test_device_pool_refusals(tiny):
     states = case.manifest.states
     memory = HostMemory(limit=1000)
     with pytest.raises(GraphkilnError) as e:
-        DevicePool(states, 4, 64, memory)
+        DevicePool(states, memory, 64, max_slots=4)
     assert "\n" not in str(e.value) and "rebuild the engine with a smaller --max-batch" in str(e.value)
-    assert memory.arrays == {}  # nothing allocated before the refusal
+    assert memory.blocks == {}  # nothing allocated before the refusal
     memory.limit = None
-    pool = DevicePool(states, 4, 64, memory)
+    pool = DevicePool(states, memory, 64, max_slots=4)
     addresses = {k: b.address for k, b in pool.buffers.items()}
     pool.reserve(4, 64)
     pool.reserve(1, 10)
@@ -246,7 +194,7 @@ def test_bindings_put_state_in_place_and_fit_the_profiles(tiny):
     case = _hybrid(tiny)
     spec = case.manifest.graph("decoder", TRT)
     memory = HostMemory()
-    pool = DevicePool(case.manifest.states, MAX_BATCH, SEQ, memory)
+    pool = DevicePool(case.manifest.states, memory, SEQ, max_slots=MAX_BATCH)
     bufs = StepBuffers(memory, io_roles(spec), MAX_BATCH, 1, case.vocab_size, 1)
     assert set(bufs.io) == {"input_ids", "position_ids", "logits_index", "seq_lens", "slot_idx"}
     engine = _engine_spec(case)
@@ -348,7 +296,7 @@ def test_runner_generates_like_the_cpu_runtime(tiny):
     np.testing.assert_allclose(got.logits, want_one.logits, rtol=0, atol=1e-5)
     runner.close()
     pool.close()
-    assert memory.arrays == {} and len(executor.destroyed) == 3
+    assert memory.blocks == {} and len(executor.destroyed) == 3
 
 
 def test_runner_falls_back_to_enqueue_where_capture_failed(tiny):
@@ -446,6 +394,42 @@ def _gpu_with_tensorrt() -> bool:
         return False
     err, count = cudart.cudaGetDeviceCount()
     return err == cudart.cudaError_t.cudaSuccess and count > 0
+
+
+def _cuda_device() -> bool:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return False
+    err, count = cudart.cudaGetDeviceCount()
+    return err == cudart.cudaError_t.cudaSuccess and count > 0
+
+
+@pytest.mark.skipif(not _cuda_device(), reason="needs cuda-python and an NVIDIA GPU")
+def test_cuda_memory_moves_bytes_like_host_memory(tiny):
+    """The device pool's claims and releases over CudaMemory leave the bytes HostMemory does."""
+    from cuda.bindings import runtime as cudart
+
+    from graphkiln.runtime.device_state import CudaMemory
+
+    states = _hybrid(tiny).manifest.states
+    cuda = CudaMemory.open(cudart)
+    pools = [DevicePool(states, m, 12, max_slots=4) for m in (HostMemory(), cuda)]
+    rng = np.random.default_rng(9)
+    for key in pools[0].buffers:
+        rows = rng.standard_normal(pools[0].buffers[key].shape).astype(np.float32)
+        for pool in pools:
+            pool.memory.upload(pool.buffers[key].address, rows)
+    for op in ("claim", "claim", "claim", 0, "claim", 2, 1):
+        for pool in pools:
+            pool.claim() if op == "claim" else pool.release(op)
+    for key, host in pools[0].buffers.items():
+        got = np.empty(host.shape, np.float32)
+        cuda.download(got, pools[1].buffers[key].address)
+        np.testing.assert_array_equal(got, pools[0].memory.view(host), err_msg=str(key))
+    for pool in pools:
+        pool.close()
+    cuda.close()
 
 
 @pytest.mark.skipif(not _gpu_with_tensorrt(), reason="needs TensorRT 11, cuda-python and an NVIDIA GPU")

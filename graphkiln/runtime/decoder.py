@@ -39,6 +39,14 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def total_sequence_length(position_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """GroupQueryAttention's ``total_sequence_length`` input (onnxruntime target): the step's
+    longest row, ``max(start + length)`` with ``start = position_ids[:, 0]``, an int32 scalar
+    (what the graph computed itself before it became an input: onnxruntime's CUDA kernel reads
+    it in host memory, so computing it on the device put a copy inside the step)."""
+    return np.array(int((position_ids[:, 0] + lengths).max()), np.int32)
+
+
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
               "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
               "tensor(bool)": "bool"}
@@ -137,6 +145,8 @@ class DecoderGraph:
         slot_idx = np.arange(n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
+        if "total_sequence_length" in self.names:  # artifacts exported before it was an input lack it
+            given["total_sequence_length"] = total_sequence_length(position_ids, lengths)
         if "vision_embeddings" in self.names:
             rows, indices = vision if vision is not None else (self._no_vision_rows, np.zeros(0, np.int64))
             given["vision_embeddings"], given["vision_scatter_indices"] = rows, indices.astype(np.int64)

@@ -23,35 +23,37 @@ compute nodes are not all on the CUDA EP (CPU nodes are allowed only for shape w
 host/device copy inside the step): that is turned into one line naming the nodes
 (``capture_blockers``, read off ``get_provider_graph_assignment_info``). Known from
 onnxruntime's source, not yet run: its CUDA GroupQueryAttention has fp16/bf16 kernels only
-(an fp32 artifact is refused, naming it) and takes ``total_sequence_length`` in host memory,
-which the onnxruntime target computes in the graph, on the device: onnxruntime then copies it
-to the host inside the step and refuses capture (refused here naming ``MemcpyToHost``) until
-the export feeds it from the host.
+(an fp32 artifact is refused, naming it) and reads ``total_sequence_length`` in host memory.
+The onnxruntime target takes it as a graph input (role ``total_sequence_length``), bound here
+as a CPU input: each plain step's own ``max(start + length)``, and for captured decode steps
+one value for all of them (``capture_total_sequence_length``, which says why). An artifact
+exported before then computes it on the device: onnxruntime copies it to the host inside the
+step and refuses capture (refused here naming ``MemcpyToHost``, with re-export as the fix).
 
-State (``DevicePool``): per layer one device buffer ``[physical slots, kv_heads, capacity,
-head_dim]`` (conv: ``[physical slots, channels, width]``), allocated through onnxruntime
-(``OrtValue`` on ``cuda``), zeroed and row-moved with cuda-python's ``cuda.bindings.runtime``
-(``cudaMemset``/``cudaMemcpy``), the only CUDA calls here. ``capacity`` is the artifact's
-``max_seq_len`` and the physical slots are the requested slots rounded up to their bucket,
-whatever a session asks for, so that the buffers (and the graphs bound to them) survive from
-one session to the next; they are replaced only when a session needs more slots
-(``generation`` then changes and every captured graph is released). Like ``decoder.py`` binds
+State: ``device_state.DevicePool`` with decode buckets (the pool the TensorRT runner uses too):
+per layer one buffer ``[physical slots, kv_heads, capacity, head_dim]`` (conv: ``[physical
+slots, channels, width]``) in ``device_state.CudaMemory`` (``cudaMalloc``, bound by raw
+address through IOBinding; zeroes and row moves on the memory's own stream, which ``run``
+synchronises before each onnxruntime run). ``capacity`` is the artifact's ``max_seq_len``
+and the physical slots are the requested slots rounded up to their bucket, whatever a session
+asks for, so that the buffers (and the graphs bound to them) survive from one session to the
+next; they are replaced only when a session needs more slots (``generation`` then changes and
+every captured graph is released). Like ``decoder.py`` binds
 the CPU pool, ``past_key.i`` and ``present_key.i`` are bound to one buffer (GroupQueryAttention
 writes its rows in place), as are an in-place conv pool's ``conv_state.i`` and
 ``new_conv_state.i``; a conv graph that returns the batch's rows (``slot_rows``) writes them
 into a bound scratch buffer and they are copied into slots ``0..n-1`` after the step.
 
 Everything but ``CudaMemory``, the session's creation and its provider options is plain code
-that also runs over host memory (``HostMemory``, an onnxruntime CPU session: ``open_on_host``),
+that also runs over host memory (``device_state.HostMemory``, an onnxruntime CPU session:
+``open_on_host``),
 which is how the CPU test suite runs the padding, binding and pool bookkeeping end to end.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -61,9 +63,10 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.manifest import GraphSpec, Manifest, StateSpec, is_pool_output
-from graphkiln.memory import available_memory
+from graphkiln.manifest import GraphSpec, Manifest, is_pool_output
 from graphkiln.runtime.cuda_graphs import DecodePadding, GraphCache, GraphKey, bucket_for, decode_buckets
+from graphkiln.runtime.decoder import total_sequence_length
+from graphkiln.runtime.device_state import CudaMemory, DeviceMemory, DevicePool, HostMemory
 
 CUDA_EP = "CUDAExecutionProvider"
 # The cuda extra in pyproject.toml installs exactly this (a test keeps the two equal); it is built
@@ -81,7 +84,6 @@ MEMCPY_OPS = ("MemcpyToHost", "MemcpyFromHost")
 
 # ONNX element types, for raw-pointer bindings (numpy has no bfloat16)
 _ONNX_TYPES = {"float32": 1, "uint8": 2, "int8": 3, "int32": 6, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 
 
 # -- refusals (plain) ---------------------------------------------------------------------
@@ -148,12 +150,17 @@ def capture_blockers(nodes: Iterable[Assigned], ep: str = CUDA_EP) -> Counter:
     return Counter(n.op_type for n in nodes if n.ep != ep or n.op_type in MEMCPY_OPS)
 
 
-def blockers_refusal(file: str, blockers: Counter, dtype: str) -> str:
-    """The one-line refusal for a graph with ``blockers`` (``capture_blockers``)."""
+def blockers_refusal(file: str, blockers: Counter, dtype: str, feeds_total: bool = True) -> str:
+    """The one-line refusal for a graph with ``blockers`` (``capture_blockers``); ``feeds_total``:
+    whether the graph takes GroupQueryAttention's total_sequence_length as an input (artifacts
+    exported before it did compute it on the device, and onnxruntime copies it to the host)."""
     shown = ", ".join(f"{op} x{k}" if k > 1 else op for op, k in blockers.most_common(6))
     more = f" and {len(blockers) - 6} more op type(s)" if len(blockers) > 6 else ""
     if "GroupQueryAttention" in blockers and dtype == "float32":
         fix = "re-export with --dtype fp16 (onnxruntime's CUDA GroupQueryAttention has fp16/bf16 kernels only)"
+    elif "MemcpyToHost" in blockers and not feeds_total:
+        fix = ("re-export the artifact with this graphkiln (its graph then takes GroupQueryAttention's "
+               "total_sequence_length from the host)")
     else:
         fix = "run it with device cpu, or build TensorRT engines (graphkiln build --backend tensorrt)"
     return (f"device cuda cannot run {file} under CUDA graphs: onnxruntime's CUDA execution provider leaves "
@@ -176,6 +183,32 @@ def plan_step(n: int, seq: int, n_logits: int, buckets: tuple[int, ...]) -> Step
     if seq != 1 or n_logits != 1 or not buckets:
         return StepPlan(n, None)
     return StepPlan(n, bucket_for(n, buckets))
+
+
+def capture_total_sequence_length(capacity: int) -> np.ndarray:
+    """GroupQueryAttention's ``total_sequence_length`` (int32 scalar, host memory) for every
+    step a captured decode graph replays: the KV buffers' token capacity.
+
+    What onnxruntime does with it (its source: ``contrib_ops/cpu/bert/group_query_attention_helper.h``
+    ``CheckInputs`` and ``contrib_ops/cuda/bert/group_query_attention.cc``): the CUDA kernel
+    registers input 6 as ``OrtMemTypeCPUInput`` and reads it on the host only, in the kernel's
+    host code, which a CUDA-graph replay does not run: a captured graph keeps the value seen at
+    capture. It sets the present length to ``max(total, past buffer length)``, so with past
+    and present sharing one buffer the present is the whole buffer whatever the value; it
+    must not exceed the rotary tables' rows (``cos_cache`` rows >= total; export sizes them to
+    ``max_seq_len``). It decides on the host ``is_first_prompt = (sequence_length == total)``
+    (the prompt path, which ignores the cache) and the flash-decoding split count and scratch
+    sizes; every row's own length comes from ``seqlens_k``, a device input that replays read
+    afresh. So the per-step ``max(start + length)`` frozen at capture would be right for
+    replayed steps only while those host decisions stay those of the captured step; it is not
+    when the captured step is a batch of one-token prompts (a ``seq 1``, ``n_logits 1`` step,
+    which plans like decode), whose total is 1: every replay would take the prompt path. A
+    value that is the same for every step, the buffer's capacity (as onnxruntime-genai does
+    under CUDA graphs: its attention mask is ``[batch, max_length]``), keeps the decode path
+    (capacity >= 2) and the split heuristic for the longest row, and a one-token prompt on
+    the decode path (past length 0) attends to itself, as the prompt path would. Plain (not
+    captured) steps feed their own ``max(start + length)``, as the CPU runtime does."""
+    return np.array(capacity, np.int32)
 
 
 class GraphIds:
@@ -211,258 +244,6 @@ class GraphIds:
         self.failures = {}
 
 
-# -- memory -------------------------------------------------------------------------------
-
-class HostMemory:
-    """Host memory behind ``CudaMemory``'s calls, so the pool's bookkeeping runs byte for byte
-    on a machine without a GPU. Blocks are numpy arrays this object owns until ``free``; every
-    call checks that it stays inside one block (a bookkeeping error raises instead of
-    corrupting memory)."""
-
-    device = "cpu"
-
-    def __init__(self) -> None:
-        self._blocks: dict[int, np.ndarray] = {}
-
-    def alloc(self, nbytes: int) -> int:
-        block = np.zeros(max(nbytes, 1), np.uint8)
-        self._blocks[block.ctypes.data] = block
-        return block.ctypes.data
-
-    def free(self, ptr: int) -> None:
-        del self._blocks[ptr]
-
-    def _check(self, ptr: int, nbytes: int) -> None:
-        if not any(b <= ptr and ptr + nbytes <= b + a.nbytes for b, a in self._blocks.items()):
-            raise RuntimeError(f"HostMemory: [{ptr:#x}, +{nbytes}) is outside every block")
-
-    def zero(self, ptr: int, nbytes: int) -> None:
-        self._check(ptr, nbytes)
-        ctypes.memset(ptr, 0, nbytes)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        self._check(dst, nbytes)
-        self._check(src, nbytes)
-        ctypes.memmove(dst, src, nbytes)
-
-    def sync(self) -> None:
-        pass
-
-    def available(self) -> int | None:
-        return available_memory()
-
-    def view(self, ptr: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        """A numpy view of ``shape`` at ``ptr`` (inspection and tests)."""
-        from graphkiln.runtime.decoder import numpy_dtype
-
-        dt = numpy_dtype(dtype)
-        nbytes = math.prod(shape) * dt.itemsize
-        self._check(ptr, nbytes)
-        base = next(b for b in self._blocks if b <= ptr < b + self._blocks[b].nbytes)
-        return self._blocks[base][ptr - base: ptr - base + nbytes].view(dt).reshape(shape)
-
-
-class CudaMemory:
-    """Device memory: blocks are onnxruntime ``OrtValue``s on ``cuda`` (onnxruntime's allocator
-    owns them; this object keeps them alive until ``free``); zeroing and row moves are
-    cuda-python runtime calls on the legacy default stream, followed by ``sync`` before the
-    next onnxruntime run (a run has finished its own stream when it returns)."""
-
-    device = "cuda"
-
-    def __init__(self, ort, device_id: int = 0) -> None:
-        try:
-            from cuda.bindings import runtime as cudart
-        except ImportError:
-            raise GraphkilnError("device cuda needs cuda-python for its state pools: pip install 'graphkiln[cuda]'") from None
-        self._ort, self._cudart, self.device_id = ort, cudart, device_id
-        self._blocks: dict[int, object] = {}
-        self._call(cudart.cudaSetDevice(device_id), "cudaSetDevice")
-
-    def _call(self, result, what: str):
-        err, *rest = result
-        if err != self._cudart.cudaError_t.cudaSuccess:
-            raise GraphkilnError(f"CUDA call {what} failed ({err}): check the GPU and its driver")
-        return rest
-
-    def alloc(self, nbytes: int) -> int:
-        value = self._ort.OrtValue.ortvalue_from_shape_and_type([max(nbytes, 1)], np.uint8, "cuda", self.device_id)
-        ptr = value.data_ptr()
-        self._blocks[ptr] = value
-        self.zero(ptr, nbytes)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        del self._blocks[ptr]
-
-    def zero(self, ptr: int, nbytes: int) -> None:
-        self._call(self._cudart.cudaMemset(ptr, 0, nbytes), "cudaMemset")
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        kind = self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        self._call(self._cudart.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
-
-    def sync(self) -> None:
-        self._call(self._cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-
-    def available(self) -> int | None:
-        free, _total = self._call(self._cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-        return int(free)
-
-    def compute_capability(self) -> tuple[int, int]:
-        (props,) = self._call(self._cudart.cudaGetDeviceProperties(self.device_id), "cudaGetDeviceProperties")
-        return int(props.major), int(props.minor)
-
-
-# -- the device state pool -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Region:
-    """One state buffer: ``shape[0]`` slot rows of ``row_bytes`` each, contiguous from ``ptr``."""
-
-    ptr: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * _ITEMSIZE[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.row_bytes
-
-    def rows(self, n: int) -> tuple[int, tuple[int, ...]]:
-        """(address, shape) of slots ``0..n-1``: the live batch, as a graph binds it."""
-        if n > self.shape[0]:
-            raise RuntimeError(f"{n} rows of a buffer with {self.shape[0]} slots")
-        return self.ptr, (n,) + self.shape[1:]
-
-    def row(self, slot: int) -> int:
-        return self.ptr + slot * self.row_bytes
-
-
-def pool_shapes(states: tuple[StateSpec, ...], slots: int, capacity: int) -> dict[tuple[str, int], tuple[int, ...]]:
-    """Each state buffer's shape, keyed ``("key"|"value"|"conv", layer)`` (``StatePool``'s layouts)."""
-    shapes: dict[tuple[str, int], tuple[int, ...]] = {}
-    for spec in states:
-        for layer in spec.layers:
-            if spec.kind == "kv":
-                shapes["key", layer] = shapes["value", layer] = (slots, spec.num_kv_heads, capacity, spec.head_dim)
-            else:
-                shapes["conv", layer] = (slots, spec.channels, spec.width)
-    return shapes
-
-
-class DevicePool:
-    """``StatePool``'s contract over device memory (see the module docstring for the sizes).
-
-    Lifecycle: the engine owns it for its life. ``reserve`` (only while no slot is live) sizes
-    it for a session: the logical ``slots`` bound ``claim``; the physical buffers hold
-    ``physical_slots`` >= the bucket of ``slots`` rows of the artifact's full ``max_seq_len``
-    and only grow. ``claim`` takes slot ``live`` and zeroes its conv rows (read from the first
-    step; KV rows are written before they are read); ``release`` frees a slot and moves the
-    last live slot's rows into it (device to device), reporting the move, so the live batch is
-    always slots ``0..live-1`` of every buffer, at addresses that stay put between
-    reservations."""
-
-    def __init__(self, states: tuple[StateSpec, ...], dtype: str, memory, buckets: tuple[int, ...]) -> None:
-        self.specs, self.dtype, self.memory, self.buckets = states, dtype, memory, buckets
-        self.max_capacity = min(s.max_seq_len for s in states)
-        self.slots = 0
-        self.capacity = 0
-        self.physical_slots = 0
-        self.live = 0
-        self.generation = 0  # bumped whenever the buffers are replaced (graphs bound to them go stale)
-        self.keys: dict[int, Region] = {}
-        self.values: dict[int, Region] = {}
-        self.conv: dict[int, Region] = {}
-
-    def regions(self) -> list[Region]:
-        return [*self.keys.values(), *self.values.values(), *self.conv.values()]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.regions())
-
-    @property
-    def free_slots(self) -> int:
-        return self.slots - self.live
-
-    def physical_for(self, slots: int) -> int:
-        """Physical slots for a session of ``slots``: its bucket, so padded decode rows have slots."""
-        return max(slots, bucket_for(slots, self.buckets) or slots) if slots else 0
-
-    def reserve(self, slots: int, capacity: int) -> None:
-        if self.live:
-            raise RuntimeError("DevicePool.reserve while slots are live")
-        if capacity > self.max_capacity:
-            raise RuntimeError(f"DevicePool.reserve of {capacity} tokens > the artifact's {self.max_capacity}")
-        physical = self.physical_for(slots)
-        if physical > self.physical_slots:
-            self._allocate(physical)
-        self.slots, self.capacity = slots, capacity
-
-    def _allocate(self, physical: int) -> None:
-        shapes = pool_shapes(self.specs, physical, self.max_capacity)
-        needed = sum(math.prod(s) * _ITEMSIZE[self.dtype] for s in shapes.values())
-        freed = self.nbytes
-        available = self.memory.available()
-        if available is not None and needed > available + freed:
-            raise GraphkilnError(
-                f"the state pools for {physical} slot(s) x {self.max_capacity} tokens need {needed / 2**30:.2f} GiB of "
-                f"{self.memory.device} memory but only {(available + freed) / 2**30:.2f} GiB is free: run fewer prompts "
-                "at once, or re-export with a smaller --max-seq-len")
-        # The old buffers go first (their memory is counted as free above); from here until the
-        # new ones are all allocated the pool has none, and a failure leaves it so (empty, sized 0).
-        for r in self.regions():
-            self.memory.free(r.ptr)
-        self.keys, self.values, self.conv = {}, {}, {}
-        self.physical_slots = 0
-        self.generation += 1
-        by_kind = {"key": self.keys, "value": self.values, "conv": self.conv}
-        try:
-            for (kind, layer), shape in shapes.items():
-                by_kind[kind][layer] = Region(self.memory.alloc(math.prod(shape) * _ITEMSIZE[self.dtype]), shape,
-                                              self.dtype)
-            self.memory.sync()
-        except Exception as exc:
-            for r in self.regions():
-                self.memory.free(r.ptr)
-            self.keys.clear(), self.values.clear(), self.conv.clear()
-            if isinstance(exc, GraphkilnError):
-                raise
-            raise GraphkilnError(
-                f"could not allocate the state pools for {physical} slot(s) x {self.max_capacity} tokens in "
-                f"{self.memory.device} memory ({_first_line(exc)}): run fewer prompts at once, or re-export with a "
-                "smaller --max-seq-len") from None
-        self.physical_slots = physical
-
-    def claim(self) -> int:
-        if self.live >= self.slots:
-            raise RuntimeError("DevicePool has no free slot")
-        slot = self.live
-        self.live += 1
-        for r in self.conv.values():
-            self.memory.zero(r.row(slot), r.row_bytes)
-        if self.conv:
-            self.memory.sync()
-        return slot
-
-    def release(self, slot: int) -> int | None:
-        """Free ``slot``; if another live slot's rows moved into it, return that slot's old index."""
-        if not 0 <= slot < self.live:
-            raise RuntimeError(f"DevicePool.release of slot {slot} that is not live")
-        last = self.live - 1
-        self.live -= 1
-        if slot == last:
-            return None
-        for r in self.regions():
-            self.memory.copy(r.row(slot), r.row(last), r.row_bytes)
-        self.memory.sync()
-        return last
-
-
 # -- the step runner -----------------------------------------------------------------------
 
 @dataclass
@@ -473,6 +254,7 @@ class _BucketBinding:
 
     binding: object
     inputs: dict[str, object]  # input name -> device OrtValue
+    host_inputs: dict[str, tuple[np.ndarray, object]]  # input name -> (array, CPU OrtValue over it), fixed
     logits: object  # device OrtValue [bucket, 1, vocab]
     conv_rows: dict[int, int]  # layer -> [bucket, channels, width] scratch from the pool's memory (this binding's)
     addresses: dict[str, int]
@@ -485,11 +267,13 @@ class OrtDeviceDecoder:
     captured graphs belong to this object; the bindings follow the pool's ``generation`` (a
     new generation releases every graph and rebinds)."""
 
-    def __init__(self, session, spec: GraphSpec, memory, buckets: tuple[int, ...]) -> None:
+    def __init__(self, session, spec: GraphSpec, memory: DeviceMemory, buckets: tuple[int, ...]) -> None:
         check_graph(spec)
         self.session, self.spec, self.memory, self.buckets = session, spec, memory, buckets
-        self.device = memory.device
-        self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
+        self.device, self._device_id = memory.device, memory.device_id
+        self.names = {t.role: t.name for t in spec.inputs if t.layer is None}  # int64 inputs, on the device
+        # GroupQueryAttention reads it in host memory (absent from artifacts exported before it was an input)
+        self.total_name = self.names.pop("total_sequence_length", None)
         self.kv_inputs = [(t.role, t.layer, t.name) for t in spec.inputs if t.role in ("past_key", "past_value")]
         self.conv_inputs = {t.layer: t.name for t in spec.inputs if t.role == "conv_state"}
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
@@ -508,6 +292,7 @@ class OrtDeviceDecoder:
     def run(self, pool: DevicePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """One forward over the live slots 0..n-1; returns host logits [n, n_logits, vocab]."""
+        self.memory.sync()  # the pool's claims, releases and row copies, on the memory's stream
         if pool.generation != self._generation:  # buffers replaced: every binding and graph is stale
             self._drop_bindings()
             self._generation = pool.generation
@@ -561,14 +346,16 @@ class OrtDeviceDecoder:
         binding = self.session.io_binding()
         for name, value in self._feeds(n, input_ids, position_ids, logits_index, lengths).items():
             binding.bind_cpu_input(name, value)
+        if self.total_name is not None:  # the step's own value: this run is not captured
+            binding.bind_cpu_input(self.total_name, total_sequence_length(position_ids, lengths))
         _, state_outputs = self._bind_state(binding, pool, n)
         scratch: dict[int, int] = {}  # layer -> rows buffer for this step, freed below
         try:
             for layer, t in self.row_outputs.items():
-                region = pool.conv[layer]
-                scratch[layer] = self.memory.alloc(n * region.row_bytes)
+                buf = pool.buffers["conv", layer]
+                scratch[layer] = self.memory.alloc(n * buf.row_bytes)
                 binding.bind_output(t.name, self.device, self._device_id, _ONNX_TYPES[pool.dtype],
-                                    [n, *region.shape[1:]], scratch[layer])
+                                    [n, *buf.shape[1:]], scratch[layer])
             binding.bind_output(self.logits.name, "cpu")
             self.session.run_with_iobinding(binding, self._options(SKIP_CAPTURE))
             self._store_rows(pool, n, scratch)
@@ -577,10 +364,6 @@ class OrtDeviceDecoder:
                 self.memory.free(ptr)
         # get_outputs lists the outputs in the order they were bound: the state, the rows, the logits
         return binding.get_outputs()[len(state_outputs) + len(scratch)].numpy()
-
-    @property
-    def _device_id(self) -> int:
-        return getattr(self.memory, "device_id", 0)
 
     def _options(self, gid: int):
         ro = self._run_options.get(gid)
@@ -593,11 +376,9 @@ class OrtDeviceDecoder:
 
     def _store_rows(self, pool: DevicePool, n: int, rows: dict[int, int]) -> None:
         """Copy ``slot_rows`` conv outputs (the rows of slots 0..n-1, slot_idx = arange) into the pool."""
-        for layer, src in rows.items():
-            region = pool.conv[layer]
-            self.memory.copy(region.ptr, src, n * region.row_bytes)
-        if rows:
-            self.memory.sync()
+        for layer, src in rows.items():  # on the memory's stream: the next run syncs before it starts
+            buf = pool.buffers["conv", layer]
+            self.memory.copy(buf.address, src, n * buf.row_bytes)
 
     # -- binding --------------------------------------------------------------------------
 
@@ -609,19 +390,18 @@ class OrtDeviceDecoder:
         outputs: list[str] = []
         dev, did, dtype = self.device, self._device_id, _ONNX_TYPES[pool.dtype]
         for role, layer, name in self.kv_inputs:
-            region = (pool.keys if role == "past_key" else pool.values)[layer]
-            ptr, shape = region.rows(n)
+            ptr, shape = pool.buffers["key" if role == "past_key" else "value", layer].rows(n)
             binding.bind_input(name, dev, did, dtype, list(shape), ptr)
             binding.bind_output(self.present[role, layer], dev, did, dtype, list(shape), ptr)
             outputs.append(self.present[role, layer])
             bound[name] = ptr
         for layer, name in self.conv_inputs.items():
-            region = pool.conv[layer]
-            binding.bind_input(name, dev, did, dtype, list(region.shape), region.ptr)
+            buf = pool.buffers["conv", layer]
+            binding.bind_input(name, dev, did, dtype, list(buf.shape), buf.address)
             if layer in self.pool_outputs:
-                binding.bind_output(self.pool_outputs[layer], dev, did, dtype, list(region.shape), region.ptr)
+                binding.bind_output(self.pool_outputs[layer], dev, did, dtype, list(buf.shape), buf.address)
                 outputs.append(self.pool_outputs[layer])
-            bound[name] = region.ptr
+            bound[name] = buf.address
         return bound, outputs
 
     def _bind_bucket(self, pool: DevicePool, bucket: int) -> _BucketBinding:
@@ -634,20 +414,28 @@ class OrtDeviceDecoder:
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
         addresses = {name: v.data_ptr() for name, v in inputs.items()}
+        host_inputs = {}
+        if self.total_name is not None:
+            # onnxruntime reads it on the host when it captures the graph and never again, so it is
+            # one value for every step this binding replays: the KV buffers' token capacity, which
+            # is right for all of them (see capture_total_sequence_length)
+            total = capture_total_sequence_length(pool.max_capacity)
+            host_inputs[self.total_name] = (total, ort.OrtValue.ortvalue_from_numpy(total))
+            binding.bind_ortvalue_input(self.total_name, host_inputs[self.total_name][1])
         addresses.update(self._bind_state(binding, pool, bucket)[0])
         dims = {"batch": bucket, "n_logits": 1, "seq": 1}
         conv_rows = {}
         for layer, t in self.row_outputs.items():
-            region = pool.conv[layer]
-            conv_rows[layer] = self.memory.alloc(bucket * region.row_bytes)
+            buf = pool.buffers["conv", layer]
+            conv_rows[layer] = self.memory.alloc(bucket * buf.row_bytes)
             binding.bind_output(t.name, self.device, self._device_id, _ONNX_TYPES[pool.dtype],
-                                [bucket, *region.shape[1:]], conv_rows[layer])
+                                [bucket, *buf.shape[1:]], conv_rows[layer])
             addresses[t.name] = conv_rows[layer]
         shape = [dims.get(d, d) if isinstance(d, str) else d for d in self.logits.shape]
         logits = self._device_value(shape, self.logits.dtype)
         binding.bind_ortvalue_output(self.logits.name, logits)
         addresses[self.logits.name] = logits.data_ptr()
-        b = self._buckets[bucket] = _BucketBinding(binding, inputs, logits, conv_rows, addresses)
+        b = self._buckets[bucket] = _BucketBinding(binding, inputs, host_inputs, logits, conv_rows, addresses)
         return b
 
     def _device_value(self, shape: list, dtype: str):
@@ -705,7 +493,8 @@ def _cuda_session(ort, path: Path, spec: GraphSpec, dtype: str, threads: int | N
         if not blockers:
             raise GraphkilnError(f"device cuda cannot run {spec.file} under CUDA graphs ({_first_line(exc)}): run it "
                                  "with device cpu, or build TensorRT engines (graphkiln build --backend tensorrt)") from None
-        raise GraphkilnError(blockers_refusal(spec.file, blockers, dtype)) from None
+        feeds_total = any(t.role == "total_sequence_length" for t in spec.inputs)
+        raise GraphkilnError(blockers_refusal(spec.file, blockers, dtype, feeds_total)) from None
     if not session.get_providers() or session.get_providers()[0] != CUDA_EP:
         raise GraphkilnError(f"onnxruntime-gpu did not start its CUDA execution provider for {spec.file} (it runs "
                              f"{session.get_providers()}): {CUDA_LIBS}")
@@ -724,13 +513,27 @@ def open_onnxruntime_cuda(artifact_dir: Path, manifest: Manifest, spec: GraphSpe
 
     require_cuda_provider(ort.get_available_providers())
     check_graph(spec)
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        raise GraphkilnError("device cuda needs cuda-python for its state pools: "
+                             "pip install 'graphkiln[cuda]'") from None
     dtype = manifest.states[0].dtype
-    memory = CudaMemory(ort)
-    check_bf16(dtype, memory.compute_capability())
+    try:
+        memory = CudaMemory.open(cudart)
+        check_bf16(dtype, memory.compute_capability())
+    except RuntimeError as exc:
+        raise GraphkilnError(f"CUDA could not start ({exc}): {CUDA_LIBS}") from None
     session = _cuda_session(ort, artifact_dir / spec.file, spec, dtype, threads, memory.device_id)
     _check_io(session, spec)
-    buckets = decode_buckets(DEFAULT_MAX_BATCH)
-    return OrtDeviceDecoder(session, spec, memory, buckets), DevicePool(manifest.states, dtype, memory, buckets)
+    return _runner_and_pool(session, spec, manifest, memory, decode_buckets(DEFAULT_MAX_BATCH))
+
+
+def _runner_and_pool(session, spec: GraphSpec, manifest: Manifest, memory: DeviceMemory,
+                     buckets: tuple[int, ...]) -> tuple[OrtDeviceDecoder, DevicePool]:
+    capacity = min(s.max_seq_len for s in manifest.states)  # the artifact's: buffers never resized by it
+    pool = DevicePool(manifest.states, memory, capacity, buckets=buckets)
+    return OrtDeviceDecoder(session, spec, memory, buckets), pool
 
 
 def open_on_host(artifact_dir: Path, manifest: Manifest, spec: GraphSpec, threads: int | None = None,
@@ -746,7 +549,4 @@ def open_on_host(artifact_dir: Path, manifest: Manifest, spec: GraphSpec, thread
     session = ort.InferenceSession(str(artifact_dir / spec.file), _session_options(ort, threads, record=False),
                                    providers=["CPUExecutionProvider"])
     _check_io(session, spec)
-    memory = HostMemory()
-    buckets = decode_buckets(max_batch)
-    dtype = manifest.states[0].dtype
-    return OrtDeviceDecoder(session, spec, memory, buckets), DevicePool(manifest.states, dtype, memory, buckets)
+    return _runner_and_pool(session, spec, manifest, HostMemory(), decode_buckets(max_batch))

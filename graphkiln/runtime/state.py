@@ -29,7 +29,48 @@ from graphkiln.manifest import StateSpec
 from graphkiln.memory import available_memory
 
 
-class StatePool:
+class PackedSlots:
+    """``StatePool``'s slot rules, for any storage: live slots are ``0..live-1``; ``claim``
+    takes slot ``live`` and clears its conv rows (conv state is read from the first step; KV
+    rows are written before they are read, so they are left as they are); ``release`` frees a
+    slot and moves the last live slot's rows into the hole, returning the moved slot's old
+    index (None when nothing moved), so the live batch is always a prefix of every buffer.
+    A subclass stores the rows: ``_clear_conv_row`` and ``_move_row``."""
+
+    slots: int  # how many slots may be live at once (this session's)
+    live: int
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.live
+
+    def claim(self) -> int:
+        if self.live >= self.slots:
+            raise RuntimeError(f"{type(self).__name__} has no free slot")
+        slot = self.live
+        self.live += 1
+        self._clear_conv_row(slot)
+        return slot
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``; if another live slot's rows moved into it, return that slot's old index."""
+        if not 0 <= slot < self.live:
+            raise RuntimeError(f"{type(self).__name__}.release of slot {slot} that is not live")
+        last = self.live - 1
+        self.live -= 1
+        if slot == last:
+            return None
+        self._move_row(slot, last)
+        return last
+
+    def _clear_conv_row(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def _move_row(self, dst: int, src: int) -> None:
+        raise NotImplementedError
+
+
+class StatePool(PackedSlots):
     def __init__(self, states: tuple[StateSpec, ...], dtype: np.dtype) -> None:
         self.specs = states
         self.dtype = dtype
@@ -110,35 +151,16 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(a.nbytes for d in (self.keys, self.values, self.conv) for a in d.values())
 
-    @property
-    def free_slots(self) -> int:
-        return self.slots - self.live
+    # -- slots (claim, release: PackedSlots) -------------------------------------------------
 
-    # -- slots ----------------------------------------------------------------------------
-
-    def claim(self) -> int:
-        if self.live >= self.slots:
-            raise RuntimeError("StatePool has no free slot")
-        slot = self.live
-        self.live += 1
-        # The KV rows need no zeroing (positions >= a row's length are masked, and they are
-        # written before they are read); conv state is read from the first step, so it must.
+    def _clear_conv_row(self, slot: int) -> None:
         for a in self.conv.values():
             a[slot] = 0
-        return slot
 
-    def release(self, slot: int) -> int | None:
-        """Free ``slot``; if another live slot's rows moved into it, return that slot's old index."""
-        if not 0 <= slot < self.live:
-            raise RuntimeError(f"StatePool.release of slot {slot} that is not live")
-        last = self.live - 1
-        self.live -= 1
-        if slot == last:
-            return None
+    def _move_row(self, dst: int, src: int) -> None:
         for bufs in (self.keys, self.values, self.conv):
             for a in bufs.values():
-                a[slot] = a[last]
-        return last
+                a[dst] = a[src]
 
     # -- graph I/O ------------------------------------------------------------------------
 

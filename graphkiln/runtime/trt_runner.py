@@ -14,8 +14,9 @@ step runner, replaying one captured CUDA graph per decode batch bucket.
    activation memory for its own profile only (``ON_PROFILE_CHANGE``), so the two together
    cost about what one ``STATIC`` context would;
 3. allocates the state pool on the device at the engine's ``max_batch`` x ``max_seq_len``
-   (``device_state.DevicePool``: stable addresses, each KV buffer bound as past_* and
-   present_*), and device buffers for each phase's step inputs and logits;
+   (``device_state.DevicePool`` with ``max_slots``, over ``device_state.CudaMemory`` on the
+   runner's stream: stable addresses, each KV buffer bound as past_* and present_*), and
+   device buffers for each phase's step inputs and logits;
 4. warms up (``cuda_graphs.warm_up``): per decode bucket, probe slots claimed, one plain
    enqueue, then one enqueue captured and instantiated; the probe slots are released, so the
    pool is empty when the engine starts serving.
@@ -31,7 +32,7 @@ profiles admit one logit per row (the last position's), so a step asking for mor
 Everything that decides (profiles, shapes, padding, addresses, graph keys, when to capture,
 replay or fall back) is plain code here and in ``cuda_graphs`` / ``device_state``, tested on
 CPU. ``EngineStepRunner`` holds that logic and reaches the engine through an ``Executor``. TensorRT
-and CUDA are touched only by ``_libraries``, ``_Cuda``, ``CudaMemory`` and ``TrtExecutor``;
+and CUDA are touched only by ``_libraries``, ``_Cuda``, ``device_state.CudaMemory`` and ``TrtExecutor``;
 they are imported lazily, and have not run: no GPU with TensorRT was available where this
 was written. The CPU tests drive ``EngineStepRunner`` with an executor that runs the same
 graph in onnxruntime over host memory bound at the same addresses, with replay re-running the
@@ -51,8 +52,8 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import EngineSpec, GraphSpec, Manifest, open_artifact_file
 from graphkiln.runtime.cuda_graphs import (CaptureFailed, DecodePadding, GraphCache, GraphKey, WarmupReport,
                                            bucket_for, decode_buckets, probe_inputs, warm_up)
-from graphkiln.runtime.device_state import (DevicePool, StepBinding, StepBuffers, bind_step, check_in_place, io_roles,
-                                            step_arrays)
+from graphkiln.runtime.device_state import (CudaMemory, DevicePool, StepBinding, StepBuffers, bind_step, check_in_place,
+                                            cuda_call, io_roles, step_arrays)
 
 INSTALL = "backend tensorrt needs TensorRT 11 and cuda-python: pip install 'graphkiln[tensorrt]'"
 PREFILL, DECODE = "prefill", "decode"
@@ -299,11 +300,7 @@ class _Cuda:
         self.stream = self.call("cudaStreamCreate")[0]
 
     def call(self, name: str, *args):
-        err, *out = getattr(self.rt, name)(*args)
-        if err != self.rt.cudaError_t.cudaSuccess:
-            text = self.rt.cudaGetErrorString(err)[1]
-            raise RuntimeError(f"{name} failed: {text.decode() if isinstance(text, bytes) else text}")
-        return out
+        return cuda_call(self.rt, name, *args)
 
     def device(self) -> tuple[str, str]:
         """(GPU name, compute capability "major.minor") of the current device."""
@@ -347,43 +344,6 @@ class _Cuda:
 
     def close(self) -> None:
         self.call("cudaStreamDestroy", self.stream)
-
-
-class CudaMemory:
-    """``device_state.DeviceMemory`` over the CUDA runtime, ordered on the runner's stream."""
-
-    def __init__(self, cuda: _Cuda) -> None:
-        self.cuda = cuda
-        self.kinds = cuda.rt.cudaMemcpyKind
-
-    def alloc(self, nbytes: int) -> int:
-        try:
-            return int(self.cuda.call("cudaMalloc", max(nbytes, 1))[0])
-        except RuntimeError as exc:
-            raise GraphkilnError(f"cannot allocate {nbytes} bytes of device memory ({exc}): rebuild the engine with a "
-                                 "smaller --max-batch or --max-seq-len, or free the GPU") from None
-
-    def free(self, address: int) -> None:
-        self.cuda.call("cudaFree", address)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        self.cuda.call("cudaMemcpyAsync", dst, src, nbytes, self.kinds.cudaMemcpyDeviceToDevice, self.cuda.stream)
-
-    def zero(self, address: int, nbytes: int) -> None:
-        self.cuda.call("cudaMemsetAsync", address, 0, nbytes, self.cuda.stream)
-
-    def upload(self, dst: int, array: np.ndarray) -> None:
-        # pageable source: the call returns once the bytes are staged, so the array may change after
-        self.cuda.call("cudaMemcpyAsync", dst, array.ctypes.data, array.nbytes, self.kinds.cudaMemcpyHostToDevice,
-                       self.cuda.stream)
-
-    def download(self, out: np.ndarray, src: int) -> None:
-        self.cuda.call("cudaMemcpyAsync", out.ctypes.data, src, out.nbytes, self.kinds.cudaMemcpyDeviceToHost,
-                       self.cuda.stream)
-        self.cuda.synchronize()
-
-    def free_bytes(self) -> int | None:
-        return int(self.cuda.call("cudaMemGetInfo")[0])
 
 
 class TrtExecutor:
@@ -479,7 +439,7 @@ def open_tensorrt(artifact_dir: Path, manifest: Manifest, spec: GraphSpec) -> tu
     gpu_name, cc = cuda.device()
     check_compatible(engine, trt.__version__, cc, gpu_name)
     plan = _read_plan(artifact_dir, engine)
-    pool = DevicePool(manifest.states, engine.max_batch, engine.max_seq_len, CudaMemory(cuda))
+    pool = DevicePool(manifest.states, CudaMemory(cudart, cuda.stream), engine.max_seq_len, max_slots=engine.max_batch)
     runner = None
     try:
         executor = TrtExecutor(trt, cuda, plan, spec, engine)

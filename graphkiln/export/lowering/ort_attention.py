@@ -9,8 +9,13 @@ stores its new rows at their positions and returns the whole buffer, with no cop
 The lowered graph's contract differs from the portable one (``graphkiln.models.decoder``)
 only in the KV cache:
   * inputs gain ``seq_lens`` int64 [batch] (real tokens per row) if the graph lacks it: GQA
-    takes each row's total length (``seqlens_k`` = start + seq_lens - 1, int32) and the batch's
-    ``total_sequence_length`` (max of start + seq_lens, an int32 scalar), computed in-graph;
+    takes each row's total length (``seqlens_k`` = start + seq_lens - 1, int32), computed
+    in-graph from it and ``position_ids``;
+  * inputs gain ``total_sequence_length``, an int32 scalar (role ``total_sequence_length``),
+    fed straight into every GQA node: the runtime computes it on the host (the batch's
+    ``max(start + seq_lens)``, ``runtime.decoder.total_sequence_length``). onnxruntime's CUDA
+    GQA reads it in host memory, so computing it in the graph (on the device) made onnxruntime
+    copy it to the host inside every step, which CUDA-graph capture refuses;
   * ``new_key.i`` / ``new_value.i`` outputs become ``present_key.i`` / ``present_value.i``
     [batch, kv_heads, cache_len, head_dim], which the runtime binds to the very buffers it
     feeds as ``past_key.i`` / ``past_value.i`` (manifest state update ``"in_place"``).
@@ -58,8 +63,12 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
         inputs.append(TensorSpec(seq_lens, "int64", ("batch",), "seq_lens"))
         g.input.append(helper.make_tensor_value_info(seq_lens, TensorProto.INT64, ["batch"]))
 
+    total = "total_sequence_length"
+    inputs.append(TensorSpec(total, "int32", (), "total_sequence_length"))
+    g.input.append(helper.make_tensor_value_info(total, TensorProto.INT32, []))
+
     prologue: list[onnx.NodeProto] = []
-    lengths: dict[str, tuple[str, str]] = {}  # position_ids value -> (seqlens_k, total_sequence_length)
+    lengths: dict[str, str] = {}  # position_ids value -> seqlens_k
     casts: dict[tuple[str, int], str] = {}  # (table, type) -> the table in the query's type
     renamed: dict[str, TensorSpec] = {}  # old output name -> new output spec
     new_nodes: list[onnx.NodeProto] = []
@@ -70,8 +79,8 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
             continue
         q, k, v, past_k, past_v, pos, cos, sin = node.input
         if pos not in lengths:
-            lengths[pos] = _lengths(prologue, pos, seq_lens, len(lengths))
-        seqlens_k, total = lengths[pos]
+            lengths[pos] = _seqlens_k(prologue, pos, seq_lens, len(lengths))
+        seqlens_k = lengths[pos]
         elem = types[past_k]
         tables = []
         for table in (cos, sin):
@@ -111,8 +120,8 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     return dataclasses.replace(graph, inputs=tuple(inputs), outputs=outputs), len(targets)
 
 
-def _lengths(prologue: list, pos: str, seq_lens: str, i: int) -> tuple[str, str]:
-    """Append nodes computing GQA's seqlens_k [B] and total_sequence_length [] from position_ids."""
+def _seqlens_k(prologue: list, pos: str, seq_lens: str, i: int) -> str:
+    """Append nodes computing GQA's seqlens_k [B] (start + seq_lens - 1, int32) from position_ids."""
     p = f"gqa_lengths.{i}"
     prologue += [
         helper.make_node("Constant", [], [f"{p}.zero"], value=helper.make_tensor("", TensorProto.INT64, [1], [0])),
@@ -122,10 +131,8 @@ def _lengths(prologue: list, pos: str, seq_lens: str, i: int) -> tuple[str, str]
         helper.make_node("Add", [f"{p}.start", seq_lens], [f"{p}.total"]),
         helper.make_node("Sub", [f"{p}.total", f"{p}.one"], [f"{p}.last"]),
         helper.make_node("Cast", [f"{p}.last"], [f"{p}.seqlens_k"], to=TensorProto.INT32),
-        helper.make_node("ReduceMax", [f"{p}.total"], [f"{p}.max"], keepdims=0),
-        helper.make_node("Cast", [f"{p}.max"], [f"{p}.total_sequence_length"], to=TensorProto.INT32),
     ]
-    return f"{p}.seqlens_k", f"{p}.total_sequence_length"
+    return f"{p}.seqlens_k"
 
 
 def _elem_types(g: onnx.GraphProto) -> dict[str, int]:
