@@ -97,3 +97,32 @@ def test_kv_cache_is_written_in_place_by_the_graph(tiny):
                 a, b_ = pool_a[layer][b, :, :n], pool_b[layer][b, :, :n]
                 assert np.abs(a).max() > 0
                 np.testing.assert_allclose(b_, a, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_type, fused", [(onnx.TensorProto.FLOAT16, 1), (onnx.TensorProto.FLOAT, 0)])
+def test_skip_rmsnorm_fuses_only_when_scale_and_activations_share_a_type(scale_type, fused):
+    """SkipSimplifiedLayerNormalization takes one type for activations and scale: an fp16 residual
+    normed with an fp32 scale stays unfused (onnxruntime refuses to load the fused graph), and
+    what is left runs."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from graphkiln.export.lowering.ort_fusions import fuse_skip_rmsnorm
+
+    half = TensorProto.FLOAT16
+    scale = numpy_helper.from_array(np.linspace(0.5, 1.5, 8).astype(onnx.helper.tensor_dtype_to_np_dtype(scale_type)), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "y"], ["sum"]),
+         helper.make_node("RMSNormalization", ["sum", "w"], ["out"], axis=-1, epsilon=1e-5, stash_type=1)],
+        "g", [helper.make_tensor_value_info(n, half, [2, 8]) for n in ("x", "y")],
+        [helper.make_tensor_value_info("out", half, [2, 8])], [scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 11
+    assert fuse_skip_rmsnorm(model) == fused
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float16)
+    if fused:  # the unfused mixed-type graph is not onnxruntime-CPU's to run either; the fused one is
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out = session.run(None, {"x": x, "y": x})[0]
+        s = (2 * x).astype(np.float32)
+        ref = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * np.linspace(0.5, 1.5, 8)
+        assert np.abs(out.astype(np.float32) - ref).max() < 1e-2

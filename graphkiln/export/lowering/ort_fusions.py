@@ -25,6 +25,14 @@ from graphkiln.export.lowering.quantize import _FLOAT_TYPES
 _STD = ("", "ai.onnx")
 
 
+def _act_type(types: dict, add: onnx.NodeProto) -> int:
+    """The residual's element type: the Add's output's when recorded, else its inputs'."""
+    for name in (add.output[0], *add.input):
+        if name in types:
+            return types[name]
+    return TensorProto.FLOAT
+
+
 def fuse_skip_rmsnorm(model: onnx.ModelProto) -> int:
     """Add(x, y) -> RMSNormalization(sum, w) => SkipSimplifiedLayerNormalization; in place.
 
@@ -36,6 +44,7 @@ def fuse_skip_rmsnorm(model: onnx.ModelProto) -> int:
     g = model.graph
     constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
     types = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.value_info) + list(g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
     producer = {o: n for n in g.node for o in n.output}
     fused: dict[int, onnx.NodeProto] = {}  # id(add) -> fused node, which takes the Add's place
     drop: set[int] = set()
@@ -48,7 +57,9 @@ def fuse_skip_rmsnorm(model: onnx.ModelProto) -> int:
         if (attrs.get("axis", -1) != -1 or attrs.get("stash_type", 1) != 1 or add is None or add.op_type != "Add"
                 or add.domain not in _STD or id(add) in used_adds or any(i in constants for i in add.input)
                 or norm.input[1] not in constants
-                or types.get(add.output[0], TensorProto.FLOAT) not in _FLOAT_TYPES):
+                or types.get(add.output[0], TensorProto.FLOAT) not in _FLOAT_TYPES
+                # the fused kernel takes one type for activations and scale (onnxruntime refuses the graph else)
+                or types.get(norm.input[1], _act_type(types, add)) != _act_type(types, add)):
             continue
         used_adds.add(id(add))
         fused[id(add)] = helper.make_node(
