@@ -90,6 +90,10 @@ def _run(args) -> int:
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
+    if args.image and len(prompts) > 1:
+        raise GraphkilnError(f"--image goes with one prompt (every --image belongs to it), but {len(prompts)} prompts "
+                             "were given: run each prompt with its images separately")
+    images = [list(args.image)] if args.image else None
     engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
                          backend=args.backend, device=args.device)
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
@@ -105,14 +109,14 @@ def _run(args) -> int:
     show_ids = engine.tokenizer is None or args.show_ids
     if args.stream:
         last = None
-        for ev in engine.stream(prompts, config):
+        for ev in engine.stream(prompts, config, images=images):
             if len(prompts) > 1 and ev.request != last:
                 print(f"\n[{ev.request}] ", end="")
                 last = ev.request
             print(f" {ev.token_id}" if show_ids else ev.text, end="", flush=True)
         print()
         return 0
-    for i, res in enumerate(engine.generate(prompts, config)):
+    for i, res in enumerate(engine.generate(prompts, config, images=images)):
         prefix = f"[{i}] " if len(prompts) > 1 else ""
         print(prefix + (" ".join(map(str, res.token_ids)) if show_ids else res.text))
         if args.logprobs is not None:
@@ -211,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("artifact")
     r.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     r.add_argument("--prompt-ids", action="append", help="prompt token ids, e.g. '1,2,3' (repeatable)")
+    r.add_argument("--image", action="append", metavar="PATH",
+                   help="an image for a vision-language artifact (repeatable, in the order of the prompt's image "
+                        "tokens, e.g. <image> for LLaVA; all for the one prompt)")
     r.add_argument("--max-new-tokens", type=_int_at_least(0), default=None)
     r.add_argument("--temperature", type=_number(0.0), default=None, help="> 0 samples; default greedy")
     r.add_argument("--top-k", type=_int_at_least(0), default=None)

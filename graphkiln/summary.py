@@ -37,12 +37,15 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
         lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target}"
                      + (f"; writes {', '.join(in_place)} state in place" if in_place else "") + ")")
         shown = [t for t in g.inputs if t.layer in (None, 0)] + [t for t in g.outputs if t.layer in (None, 0)]
+        width = max([16] + [len(t.name) for t in shown])
         for t in shown:
             kind = "in " if t in g.inputs else "out"
-            lines.append(f"  {kind} {t.name:<16} {t.dtype:<9} [{', '.join(map(str, t.shape))}]")
+            lines.append(f"  {kind} {t.name:<{width}} {t.dtype:<9} [{', '.join(map(str, t.shape))}]")
         per_layer = sum(1 for t in g.inputs + g.outputs if t.layer not in (None, 0))
         if per_layer:
             lines.append(f"  ... and {per_layer} more per-layer state tensors (layers 1..)")
+    if m.vision is not None:
+        lines.extend(_vision_lines(m))
     for s in m.states:
         if s.kind == "conv":
             per_slot = s.channels * s.width * len(s.layers) * (2 if s.dtype in ("float16", "bfloat16") else 4)
@@ -72,6 +75,47 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
         lines.append(f"  {f:<28} {'MISSING' if n is None else _size(n)}")
     lines.append("written by   " + ", ".join(f"{k} {v}" for k, v in m.tool_versions.items()))
     return "\n".join(lines)
+
+
+def _vision_lines(m: Manifest) -> list[str]:
+    """The vision spec: image token, placeholder rule, position rule, pixel limit, preprocessing."""
+    v, p, r = m.vision, m.vision.preprocessing, m.vision.placeholder
+    if r.kind == "patch_grid":
+        extra = [f"+{r.num_additional_image_tokens} extra"] if r.num_additional_image_tokens else []
+        if r.vision_feature_select_strategy == "default":
+            extra.append("-1 first feature dropped")
+        rule = f"patch grid of {r.patch_size} px" + (f" ({', '.join(extra)})" if extra else "")
+    elif r.kind == "fixed":
+        rule = f"fixed {r.tokens_per_image}"
+    else:
+        rule = f"merged grid (merge size {r.merge_size})"
+    per_image = ""
+    if p.output_size is not None:
+        try:
+            per_image = f" = {r.num_tokens(p.output_size)} tokens per {p.output_size[0]}x{p.output_size[1]} image"
+        except ValueError:
+            per_image = ""
+    steps = []
+    if p.pad_to_square:
+        steps.append("pad to square")
+    if p.do_resize:
+        target = (f"{p.size[0]}x{p.size[1]}" if p.size is not None else f"shortest edge {p.shortest_edge}"
+                  if p.shortest_edge is not None else f"{p.min_pixels}..{p.max_pixels} pixels")
+        steps.append(f"resize to {target} ({p.resample})")
+    if p.do_center_crop:
+        steps.append(f"center crop {p.crop_size[0]}x{p.crop_size[1]}")
+    if p.do_rescale:
+        steps.append(f"rescale x{p.rescale_factor:.6g}")
+    if p.do_normalize:
+        steps.append("normalize mean (" + ", ".join(f"{x:.4g}" for x in p.image_mean) + ") std ("
+                     + ", ".join(f"{x:.4g}" for x in p.image_std) + ")")
+    if p.kind == "qwen2_vl":
+        steps.append(f"patches {p.patch_size} px x {p.temporal_patch_size} frames, merge {p.merge_size}")
+    return [
+        f"vision       image token {v.image_token_id}: placeholders per image {rule}{per_image}; positions {v.positions}; "
+        f"images up to {v.max_image_pixels} pixels",
+        f"  preprocess {p.kind}: " + ", ".join(steps),
+    ]
 
 
 def _stat_size(root: Path, rel: str) -> int | None:

@@ -13,6 +13,15 @@ bounded: one token whose MoE routing flips, or a near-tie, dominates it. The gre
 reported too, but a quantized model may legitimately take another path at the first
 near-tie, so it is only required for int8, and loosely.
 
+Vision-language artifacts are also checked on the vision path: deterministic random RGB
+images of two sizes, one image in a prompt, two images of different sizes in one prompt, and a
+batch of two prompts where one has no image; the reference
+(``AutoModelForImageTextToText``) gets the very pixel values the runtime computed
+(``imaging.preprocess``), so the comparison covers the vision graph, the placeholder expansion
+and the decoder seam, not the preprocessing (tested against transformers' processors on its
+own). A case whose expanded prompt would not fit the maximum sequence length is skipped and
+reported. Random text prompts avoid the image token.
+
 Non-finite logits (NaN/Inf), ours or the reference's, fail verification outright and the
 report says where the first one is: an error measure cannot be trusted to carry a NaN (Python's
 ``max(0.0, nan)`` is 0.0). The reference is loaded with ``trust_remote_code=False``, and a
@@ -65,6 +74,9 @@ class VerifyReport:
     positions_top1_agreed: int = 0  # ... whose argmax equals the reference's
     min_top1: float | None = None  # bound on top1_agreement (quantized artifacts)
     nonfinite: str | None = None  # where the first NaN/Inf logits were ("ours at ..."); verification stopped there
+    vision_checked: tuple[str, ...] = ()  # vision-path cases compared (vision-language artifacts)
+    vision_skipped: tuple[str, ...] = ()  # ... and the ones that did not fit, with why
+    vision_max_abs_error: float = 0.0  # largest logits error over the vision cases (included in max_abs_error)
 
     @property
     def agreement(self) -> float:
@@ -82,6 +94,12 @@ class VerifyReport:
 
     def summary(self) -> str:
         shapes = ", ".join("batch %d (lengths %s)" % (len(s), "/".join(map(str, s))) for s in self.batch_shapes)
+        if self.vision_checked or self.vision_skipped:
+            shapes += "; with images: " + (", ".join(self.vision_checked) or "nothing")
+            if self.vision_checked and self.nonfinite is None:
+                shapes += f" (max abs error {self.vision_max_abs_error:.3g})"
+            if self.vision_skipped:
+                shapes += "; skipped " + ", ".join(self.vision_skipped)
         greedy = (f"greedy tokens identical {self.tokens_agreed}/{self.tokens_compared} "
                   f"({100 * self.agreement:.1f}%, need {100 * self.min_agreement:.0f}%) over {self.steps} steps -> ")
         verdict = "PASS" if self.passed else "FAIL"
@@ -103,9 +121,9 @@ class _NonFinite(Exception):
     """Ends a verification at the first NaN/Inf logits; the message says whose and where."""
 
 
-def _reference(reference: str):
+def _reference(reference: str, vision: bool = False):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from graphkiln.export.checkpoint import resolve_checkpoint
@@ -121,7 +139,8 @@ def _reference(reference: str):
             "runs: verify against a checkpoint of a built-in transformers architecture (drop 'auto_map' if it is one)")
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False).eval()
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False).eval()
     except Exception as exc:
         raise GraphkilnError(f"transformers cannot load the reference {reference} ({str(exc).splitlines()[0][:160]})") from None
     return model
@@ -141,7 +160,8 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     engine = engine or Engine.load(artifact)
     dtype = engine.manifest.model.dtype
     quant = getattr(engine.manifest.model, "quant", None)
-    model = _reference(reference)
+    vision = engine.manifest.vision
+    model = _reference(reference, vision=vision is not None)
     vocab = engine.manifest.model.vocab_size
     limit = engine.max_seq_len - steps
     if limit < 2:
@@ -153,11 +173,21 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     positions = top1 = 0
     err2 = spread2 = 0.0
     nonfinite: str | None = None
+    vision_checked: list[str] = []
+    vision_skipped: list[str] = []
+    vision_max = 0.0
+    in_vision = False  # compare() also tracks the vision cases' largest error
+
+    def random_ids(n: int) -> list[int]:
+        ids = rng.integers(0, vocab, n)
+        if vision is not None:  # an image token in a text prompt would need an image
+            ids[ids == vision.image_token_id] = (vision.image_token_id + 1) % vocab
+        return ids.tolist()
 
     def compare(ours: np.ndarray, ref: np.ndarray, where) -> None:
         """Accumulate the errors of rows [..., vocab]; ``where(i)`` names flat row i for a
         NaN/Inf report. Raises _NonFinite first, so every measure below sees finite values."""
-        nonlocal max_abs, max_rel, positions, top1, err2, spread2
+        nonlocal max_abs, max_rel, positions, top1, err2, spread2, vision_max
         for who, a in (("ours", ours), ("reference", ref)):
             bad = ~np.isfinite(a).reshape(-1, a.shape[-1]).all(-1)
             if bad.any():
@@ -166,13 +196,34 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         spread2 += float(np.square(ref - ref.mean(-1, keepdims=True), dtype=np.float64).sum())
         err = float(np.abs(ours - ref).max())
         max_abs = max(max_abs, err)
+        if in_vision:
+            vision_max = max(vision_max, err)
         max_rel = max(max_rel, err / max(float(np.abs(ref).max()), 1e-12))
         positions += int(np.prod(ref.shape[:-1]))
         top1 += int((ours.argmax(-1) == ref.argmax(-1)).sum())
 
+    def compare_greedy(p: list[int], res, pixels: dict | None, where: str) -> None:
+        """Our greedy run ``res`` of prompt ``p`` against the reference's, step logits included."""
+        nonlocal compared, agreed
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            # An explicit mask: otherwise generate() masks every token equal to pad_token_id.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True, **(pixels or {}))
+        ref_tokens = out.sequences[0, len(p):].tolist()
+        ref_logits = torch.stack(out.logits, 1)[0].float().numpy()
+        compared += steps
+        for t, (x, y) in enumerate(zip(res.token_ids, ref_tokens)):
+            # same context up to and including step t (steps counted from 1, as the engine does)
+            compare(res.logits[t], ref_logits[t], lambda _: f"generation step {t + 1} of {where}")
+            if x != y:
+                break
+            agreed += 1
+
     try:
         for b, shape in enumerate(shapes):
-            prompts = [rng.integers(0, vocab, n).tolist() for n in shape]
+            prompts = [random_ids(n) for n in shape]
             for i, (p, ours) in enumerate(zip(prompts, engine.prompt_logits(prompts))):
                 with torch.no_grad():
                     ref = model(torch.tensor([p])).logits[0].float().numpy()
@@ -183,20 +234,28 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
             except NonFiniteLogitsError as exc:
                 raise _NonFinite(f"ours at generation step {exc.step} of prompt {exc.request} in batch {b}") from None
             for i, (p, res) in enumerate(zip(prompts, results)):
-                with torch.no_grad():
-                    ids = torch.tensor([p])
-                    # An explicit mask: otherwise generate() masks every token equal to pad_token_id.
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-                ref_tokens = out.sequences[0, len(p):].tolist()
-                ref_logits = torch.stack(out.logits, 1)[0].float().numpy()
-                compared += steps
-                for t, (x, y) in enumerate(zip(res.token_ids, ref_tokens)):
-                    # same context up to and including step t (steps counted from 1, as the engine does)
-                    compare(res.logits[t], ref_logits[t], lambda _: f"generation step {t + 1} of prompt {i} in batch {b}")
-                    if x != y:
-                        break
-                    agreed += 1
+                compare_greedy(p, res, None, f"prompt {i} in batch {b}")
+        if vision is not None:
+            in_vision = True
+            for label, prompts, images in _vision_cases(engine, limit, random_ids, seed):
+                if isinstance(prompts, str):  # why it was skipped
+                    vision_skipped.append(f"{label} ({prompts})")
+                    continue
+                pixels = [_pixel_values(engine, imgs) for imgs in images]
+                try:
+                    results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, do_sample=False,
+                                                                        stop_token_ids=(), output_logits=True),
+                                              images=images)
+                except NonFiniteLogitsError as exc:
+                    raise _NonFinite(f"ours at generation step {exc.step} of prompt {exc.request} ({label})") from None
+                expanded = [r.prompt_ids for r in results]  # the ids the model saw, image tokens expanded
+                for i, (ids, ours) in enumerate(zip(expanded, engine.prompt_logits(prompts, images=images))):
+                    with torch.no_grad():
+                        ref = model(input_ids=torch.tensor([ids]), **(pixels[i] or {})).logits[0].float().numpy()
+                    compare(ours, ref, lambda pos: f"prompt position {pos} of prompt {i} ({label})")
+                for i, (ids, res) in enumerate(zip(expanded, results)):
+                    compare_greedy(ids, res, pixels[i], f"prompt {i} ({label})")
+                vision_checked.append(label)
     except _NonFinite as exc:
         nonfinite = str(exc)
     if quant:  # compared with the fp32 reference: quantization error bounds (see module docstring)
@@ -219,4 +278,62 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         positions_top1_agreed=top1,
         min_top1=DEFAULT_QUANT_MIN_TOP1.get(quant, 0.0) if quant else None,
         nonfinite=nonfinite,
+        vision_checked=tuple(vision_checked),
+        vision_skipped=tuple(vision_skipped),
+        vision_max_abs_error=vision_max,
     )
+
+
+def synthetic_images(seed: int, sizes: tuple[tuple[int, int], ...]) -> list[np.ndarray]:
+    """Deterministic random RGB images (uint8 ``[height, width, 3]``), one per (height, width)."""
+    rng = np.random.default_rng([seed, 0x1A6E])
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def _image_sizes(engine: Engine) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two input sizes that differ from each other and from what the processor makes of them."""
+    out = engine.manifest.vision.preprocessing.output_size or (56, 56)
+    h, w = out
+    return (h + h // 4 + 1, w), (h, w + w // 2 + 3)
+
+
+def _vision_cases(engine: Engine, limit: int, random_ids, seed: int):
+    """(label, prompts, per-prompt images) for the vision path; prompts is a string (the reason)
+    for a case that does not fit ``limit`` tokens."""
+    tok = engine.manifest.vision.image_token_id
+    small, large = synthetic_images(seed, _image_sizes(engine))
+    n_small, n_large = (engine.vision.load(im).tokens for im in (small, large))
+    cases = []
+    for label, parts, images in (
+        ("1 image", [(3, [small]), (4, [])], [[small]]),
+        (f"2 images ({small.shape[0]}x{small.shape[1]}, {large.shape[0]}x{large.shape[1]}) in one prompt",
+         [(2, [small]), (3, [large]), (2, [])], [[small, large]]),
+        ("batch of 2, one without an image", None, [[large], None]),
+    ):
+        if parts is None:  # the batch: an image prompt and a text-only one
+            prompts = [random_ids(2) + [tok] + random_ids(5), random_ids(9)]
+            need = max(7 + n_large, 9)
+        else:
+            prompts = [[t for n, imgs in parts for t in random_ids(n) + [tok] * len(imgs)]]
+            need = sum(n + sum(n_small if im is small else n_large for im in imgs) for n, imgs in parts)
+        if need > limit:
+            cases.append((label, f"{need} tokens with the images expanded, more than the {limit} that fit", images))
+        else:
+            cases.append((label, prompts, images))
+    return cases
+
+
+def _pixel_values(engine: Engine, images) -> dict | None:
+    """The reference's image inputs: the runtime's own preprocessing of ``images``, as torch."""
+    import torch
+
+    from graphkiln.imaging import load_image, preprocess
+
+    if not images:
+        return None
+    spec = engine.manifest.vision
+    pre = preprocess([load_image(im, spec.max_image_pixels) for im in images], spec.preprocessing)
+    out = {"pixel_values": torch.from_numpy(pre.pixel_values)}
+    if pre.image_grid_thw is not None:
+        out["image_grid_thw"] = torch.from_numpy(pre.image_grid_thw)
+    return out

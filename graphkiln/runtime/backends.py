@@ -39,6 +39,10 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
                  target: str | None = None):
     """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
     lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``)."""
+    if manifest.vision is not None and (backend, device) != ("onnxruntime", "cpu"):
+        # the GPU runners bind no vision seam yet (runtime.trt_runner, runtime.ort_cuda)
+        raise GraphkilnError(f"vision-language artifacts run on onnxruntime on the CPU only for now, not {backend} on "
+                             f"{device}: load it without backend/device")
     spec = manifest.graph("decoder", target) if target else manifest.graph_for("decoder", backend)
     if backend == "onnxruntime" and device == "cpu":
         from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -19,9 +20,12 @@ from graphkiln.runtime.decoder import numpy_dtype
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
 from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
 from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from graphkiln.runtime.vision import (DEFAULT_CACHE_BYTES, ImageInput, VisionEncoder, check_placeholder_count,
+                                      expand_placeholders)
 
 KNOWN_STATE_KINDS = {"kv", "conv"}
 Prompt = str | Sequence[int]
+ImageSource = object  # one image as a request gives it: a path, an image file's bytes, a PIL image or a uint8 array
 BUSY = "this Engine is already generating: use one Engine per concurrent caller"
 # Padded prompt positions are masked out of attention and of the returned state rows, so any
 # in-vocabulary id will do; the checkpoint's pad_token_id is not trusted to be one.
@@ -55,6 +59,9 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
     slot: int | None = None
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order; dropped once encoded
+    image_positions: np.ndarray | None = None  # prompt position of each image embedding row, in order
+    image_rows: np.ndarray | None = None  # [len(image_positions), hidden], once encoded
 
     @property
     def position(self) -> int:
@@ -71,11 +78,19 @@ class Engine:
     thread that holds an open stream, and would hide that calls are being serialized). The
     guard is a lock taken without blocking before any work, so it is atomic. Concurrent
     callers should each load their own Engine; engines share nothing.
+
+    Vision-language artifacts (``manifest.vision``): ``generate``, ``stream`` and
+    ``prompt_logits`` take ``images=``, per prompt a sequence of images (path, bytes, PIL image or
+    uint8 array) or None. Each image token in the prompt (LLaVA's ``<image>``) stands for one
+    image, in order, and is expanded to the image's placeholder tokens as the model's processor
+    does; the prefill passes each image's embedding rows (``runtime.vision``) to the decoder's
+    seam at those positions. Images are checked (and encoded, through the embedding cache)
+    before any slot is claimed, so a refused request holds nothing.
     """
 
     def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None, *,
                  manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
-                 target: str | None = None) -> None:
+                 target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
@@ -101,19 +116,26 @@ class Engine:
         self.max_seq_len = min([s.max_seq_len for s in manifest.states] + [getattr(self.pool, "max_capacity", 10**18)])
         tok = artifact_dir / "tokenizer.json"
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
+        self.vision: VisionEncoder | None = None  # the vision graph and its embedding cache (VLM artifacts)
+        if manifest.vision is not None:
+            self.vision = VisionEncoder(artifact_dir, manifest.vision, manifest.graph_for("vision", "onnxruntime"),
+                                        threads, vision_cache_bytes)
+            seam = next((t for t in self.decoder.spec.inputs if t.role == "vision_embeddings"), None)
+            self._seam_dtype = numpy_dtype(seam.dtype) if seam is not None else self.state_dtype
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
     def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True,
              expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
-             target: str | None = None) -> "Engine":
+             target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
         the artifact: any other manifest, hence (files are then always checked) any other file,
         is refused. ``backend``/``device`` choose what runs it (``runtime.backends``; default
         onnxruntime on the CPU), ``target`` which of the artifact's graphs (default: the one the
-        backend runs best)."""
+        backend runs best). ``vision_cache_bytes`` bounds a vision-language artifact's image
+        embedding cache (0: no cache)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         root = Path(artifact_dir)
@@ -124,11 +146,19 @@ class Engine:
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
-        return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target)
+        return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
+                   vision_cache_bytes=vision_cache_bytes)
 
     # -- inputs ---------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (image tokens not expanded), checked against the vocabulary and
+        the maximum sequence length."""
+        ids = self._token_ids(prompt)
+        self._check_length(ids)
+        return ids
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GraphkilnError("this artifact has no tokenizer.json: pass token ids (--prompt-ids) instead of text")
@@ -148,12 +178,114 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise GraphkilnError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}): check the ids")
-        if len(ids) >= self.max_seq_len:
-            raise GraphkilnError(
-                f"prompt has {len(ids)} tokens but the artifact's maximum sequence length is {self.max_seq_len}: "
-                "shorten the prompt or re-export with a larger --max-seq-len"
-            )
         return ids
+
+    def _check_length(self, ids: list[int], images: Sequence[ImageInput] = ()) -> None:
+        if len(ids) >= self.max_seq_len:
+            expanded = (f" with its {len(images)} image(s) expanded to {sum(im.tokens for im in images)} placeholder "
+                        "tokens" if images else "")
+            raise GraphkilnError(
+                f"prompt has {len(ids)} tokens{expanded} but the artifact's maximum sequence length is "
+                f"{self.max_seq_len}: shorten the prompt" + (", pass fewer images" if images else "")
+                + " or re-export with a larger --max-seq-len"
+            )
+
+    # -- images ---------------------------------------------------------------------------
+
+    @property
+    def image_token_text(self) -> str:
+        """How the image token is written in a text prompt (LLaVA: ``<image>``)."""
+        tid = self.manifest.vision.image_token_id if self.manifest.vision is not None else None
+        text = None
+        if tid is not None and self.tokenizer is not None:
+            try:  # the token's own text (special tokens included), not its decoding
+                text = self.tokenizer.token_text(tid)
+            except Exception:
+                text = None
+        return text or (f"image token {tid}" if tid is not None else "<image>")
+
+    def _per_prompt_images(self, images, n: int, single: bool) -> list[list[ImageSource]]:
+        """``images`` as one list per prompt (see the class docstring); one-line refusals for a
+        shape that does not match the prompts and for images given to a text-only artifact."""
+        if images is None:
+            return [[] for _ in range(n)]
+        if _is_image(images):
+            if not (single or n == 1):
+                raise GraphkilnError(f"images is one image but there are {n} prompts: pass a list with one entry per "
+                                     "prompt (a list of that prompt's images, or None)")
+            lists = [[images]]
+        else:
+            try:
+                entries = list(images)
+            except TypeError:
+                raise GraphkilnError(f"images must be a list with one entry per prompt (a list of images or None), got "
+                                     f"{type(images).__name__}") from None
+            if single and all(_is_image(e) for e in entries):  # generate(prompt, images=[img, ...])
+                entries = [entries]
+            if len(entries) != n:
+                raise GraphkilnError(f"images has {len(entries)} {'entry' if len(entries) == 1 else 'entries'} but "
+                                     f"there are {n} prompts: pass one entry per "
+                                     "prompt (a list of that prompt's images, or None)")
+            lists = []
+            for i, e in enumerate(entries):
+                if e is None:
+                    lists.append([])
+                elif _is_image(e):
+                    lists.append([e])
+                else:
+                    try:
+                        lists.append(list(e))
+                    except TypeError:
+                        raise GraphkilnError(f"the images of prompt {i} must be a list of images (path, bytes, PIL image "
+                                             f"or uint8 array) or None, got {type(e).__name__}") from None
+        given = sum(map(len, lists))
+        if given and self.vision is None:
+            raise GraphkilnError(f"this artifact ({self.manifest.model.architecture}) is a text-only model and takes no "
+                                 f"images, but {given} were given: drop them (--image) or use a vision-language artifact")
+        if given and not self._runner_takes_vision():
+            raise GraphkilnError(f"images are not supported on the {self.backend} backend on {self.device} yet: load the "
+                                 "Engine with backend='onnxruntime', device='cpu' (run --backend onnxruntime --device cpu)")
+        return lists
+
+    def _runner_takes_vision(self) -> bool:
+        import inspect
+
+        try:
+            return "vision" in inspect.signature(self.decoder.run).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def _prepare(self, prompts: list[Prompt], images, single: bool) -> list[tuple[list[int], list[ImageInput], np.ndarray | None]]:
+        """Every prompt's (ids with image tokens expanded, its images decoded and checked, the
+        prompt positions of its image rows); every refusal happens here, before anything runs."""
+        per_prompt = self._per_prompt_images(images, len(prompts), single)
+        out = []
+        for i, (prompt, sources) in enumerate(zip(prompts, per_prompt)):
+            ids = self._token_ids(prompt)
+            if self.vision is None:
+                self._check_length(ids)
+                out.append((ids, [], None))
+                continue
+            vision = self.manifest.vision
+            text = self.image_token_text
+            check_placeholder_count(ids, vision.image_token_id, len(sources), prompt=i, token_text=text)
+            loaded = [self.vision.load(src, f"image {j} of prompt {i}") for j, src in enumerate(sources)]
+            ids, positions = expand_placeholders(ids, vision.image_token_id, [im.tokens for im in loaded], prompt=i,
+                                                 token_text=text)
+            self._check_length(ids, loaded)
+            out.append((ids, loaded, positions))
+        return out
+
+    def _encode_images(self, reqs: Sequence[_Request]) -> None:
+        """Each request's image rows (``image_rows``), from the cache or one vision-graph pass
+        over every image not cached."""
+        todo = [r for r in reqs if r.images]
+        if not todo:
+            return
+        embeds = iter(self.vision.encode([im for r in todo for im in r.images]))
+        for r in todo:
+            r.image_rows = np.concatenate([next(embeds) for _ in r.images]).astype(self._seam_dtype, copy=False)
+            r.images = []  # the decoded pixels are not needed any more (a request may run for long)
 
     def _resolve(self, config: GenerationConfig | None) -> tuple[GenerationConfig, SamplingParams]:
         d = self.manifest.generation
@@ -185,11 +317,16 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None) -> list[GenerationResult]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None, *,
+                 images=None) -> list[GenerationResult]:
+        """Generate for one prompt or a batch; ``images``: per prompt a list of images or None
+        (for a single prompt, its list of images or one image). ``prompt_ids`` of each result are
+        the ids the model saw (image tokens expanded)."""
+        single = _is_single(prompts)
         prompts = self._as_batch(prompts)
         results: list[GenerationResult] = []
         reqs: list[_Request] = []
-        for event in self._run(prompts, config, reqs):
+        for event in self._run(prompts, config, reqs, images, single):
             pass
         for r in reqs:
             c = config or GenerationConfig()
@@ -205,12 +342,14 @@ class Engine:
             )
         return results
 
-    def stream(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
+    def stream(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None, *,
+               images=None) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced; closing the iterator cancels the remaining work.
+        ``images`` as for ``generate``.
 
         From its first item until it is exhausted, closed or garbage-collected the stream holds
         the engine (see the class docstring): close an abandoned stream before the next call."""
-        return self._run(self._as_batch(prompts), config, [])
+        return self._run(self._as_batch(prompts), config, [], images, _is_single(prompts))
 
     @staticmethod
     def _as_batch(prompts) -> list[Prompt]:
@@ -221,19 +360,24 @@ class Engine:
             return [prompts]
         return list(prompts)
 
-    def prompt_logits(self, prompt_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill.
+    def prompt_logits(self, prompt_ids: Sequence[Sequence[int]], images=None) -> list[np.ndarray]:
+        """Logits at every prompt position, [len_i, vocab] per prompt, from one batched prefill
+        (``images`` per prompt as for ``generate``; len_i counts the expanded image tokens).
 
         Raw logits: NaN/Inf are returned as they are (``graphkiln verify`` reports them)."""
         with self._exclusive():
-            ids = [self.encode(p) for p in prompt_ids]
-            if not ids:
+            prompts = list(prompt_ids)
+            if not prompts:
                 raise GraphkilnError("prompt_logits needs at least one prompt")
+            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos)
+                    for i, (ids, loaded, pos) in enumerate(self._prepare(prompts, images, single=False))]
+            self._encode_images(reqs)
+            ids = [r.prompt_ids for r in reqs]
             longest = max(map(len, ids))
             self.pool.reserve(len(ids), longest)
             slots = [self.pool.claim() for _ in ids]
             try:
-                logits = self._prefill(ids, np.tile(np.arange(longest), (len(ids), 1)))
+                logits = self._prefill(reqs, np.tile(np.arange(longest), (len(ids), 1)))
             finally:
                 for slot in reversed(slots):
                     self.pool.release(slot)
@@ -249,37 +393,51 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _prefill(self, ids: list[list[int]], logits_index: np.ndarray) -> np.ndarray:
+    def _prefill(self, reqs: list[_Request], logits_index: np.ndarray) -> np.ndarray:
+        """One prefill of ``reqs`` (request b in batch row b), each request's image rows replacing
+        the embeddings at its image positions (flat token row ``b * seq + position``)."""
+        ids = [r.prompt_ids for r in reqs]
         n, longest = len(ids), max(map(len, ids))
         input_ids = np.full((n, longest), PAD_ID, np.int64)
         for b, p in enumerate(ids):
             input_ids[b, : len(p)] = p
         positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
         lengths = np.array([len(p) for p in ids], np.int64)
-        return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths)
+        with_images = [(b, r) for b, r in enumerate(reqs) if r.image_rows is not None]
+        if not with_images:
+            return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths)
+        rows = np.concatenate([r.image_rows for _, r in with_images])
+        indices = np.concatenate([b * longest + r.image_positions for b, r in with_images]).astype(np.int64)
+        return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
+                                vision=(rows, indices))
 
-    def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
+    def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
+             single: bool = False) -> Iterator[TokenEvent]:
         """The events of one session; holds the engine from the first item until the generator
         finishes, fails or is closed (``yield from`` passes a close on to ``_steps``, whose
         ``finally`` frees the slots before the engine is released)."""
         with self._exclusive():
-            yield from self._steps(prompts, config, reqs)
+            yield from self._steps(prompts, config, reqs, images, single)
 
-    def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request]) -> Iterator[TokenEvent]:
+    def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
+               single: bool = False) -> Iterator[TokenEvent]:
         if not prompts:
+            if images is not None:
+                self._per_prompt_images(images, 0, False)  # images without prompts: refused as a mismatch
             return
         cfg, params = self._resolve(config)
-        for i, prompt in enumerate(prompts):
-            ids = self.encode(prompt)
+        for i, (ids, loaded, image_positions) in enumerate(self._prepare(prompts, images, single)):
             budget = min(cfg.max_new_tokens, self.max_seq_len - len(ids))
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i)), detokenizer=detok))
+            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i)), detokenizer=detok,
+                                 images=loaded, image_positions=image_positions))
         active = [r for r in reqs if r.budget > 0]
         for r in reqs:
             if r.budget == 0:
                 r.finish_reason = "length"
         if not active:
             return
+        self._encode_images(active)  # before any slot is claimed: a failure holds nothing
         capacity = max(r.position + r.budget for r in active)
         self.pool.reserve(len(active), capacity)
         by_slot: list[_Request] = []  # by_slot[s] is the request in slot s == batch row s
@@ -288,7 +446,7 @@ class Engine:
                 r.slot = self.pool.claim()
                 by_slot.append(r)
             last = np.array([[len(r.prompt_ids) - 1] for r in by_slot], np.int64)
-            logits = self._prefill([r.prompt_ids for r in by_slot], last)[:, 0]
+            logits = self._prefill(by_slot, last)[:, 0]
             stop_ids = set(cfg.stop_token_ids)
             while True:
                 events = [self._advance(r, logits[row], cfg, params, stop_ids) for row, r in enumerate(by_slot)]
@@ -346,6 +504,20 @@ class Engine:
         new_text = visible[r.emitted :] if len(visible) > r.emitted else ""
         r.emitted = max(r.emitted, len(visible))
         return TokenEvent(r.index, token, new_text, lp, r.finish_reason)
+
+
+def _is_single(prompts) -> bool:
+    """Whether ``prompts`` is one prompt (text or token ids) rather than a batch (as ``_as_batch``)."""
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
+    return isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number)))
+
+
+def _is_image(x) -> bool:
+    """One image as a request gives it (anything else in ``images=`` is a list of them)."""
+    from PIL import Image
+
+    return isinstance(x, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Image.Image))
 
 
 def _known_custom_ops() -> set[tuple[str, str, int]]:

@@ -22,6 +22,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str | None:
+        """A token's own text (special tokens included, e.g. ``<image>``), not its decoding; None if unknown."""
+        return self._tok.id_to_token(token_id)
+
 
 class IncrementalDetokenizer:
     """Turns one request's growing token list into text a piece at a time.
