@@ -52,7 +52,32 @@ _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(bool)": "bool"}
 
 
-def _check_io(session, spec: GraphSpec) -> None:
+def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None):
+    """An onnxruntime CPU session over graph ``spec`` (``threads`` intra-op threads, default every
+    core); a graph onnxruntime cannot load is one GraphkilnError line, and its inputs and outputs
+    are checked against the manifest (``check_io``)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads or os.cpu_count() or 1
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        if any(t.dtype == "bfloat16" for t in spec.inputs + spec.outputs):
+            raise GraphkilnError("bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
+                                 "re-export with --dtype fp16 or fp32 for CPU") from None
+        raise GraphkilnError(
+            f"onnxruntime cannot load {spec.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
+            "re-export the artifact (for CPU use --dtype fp32 or fp16)"
+        ) from None
+    check_io(session, spec)
+    return session
+
+
+def check_io(session, spec: GraphSpec) -> None:
     """The graph's inputs and outputs are the ones its manifest declares (names, dtypes, fixed
     dimensions): the runtime feeds and allocates by the manifest, so a manifest that disagrees
     with its graph is refused here rather than failing inside onnxruntime at the first step."""
@@ -80,30 +105,11 @@ class DecoderGraph:
     """Runs prefill and decode steps; reads the cache prefix ``[:n]`` and writes new rows into it."""
 
     def __init__(self, artifact_dir: Path, spec: GraphSpec, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
         roles = {t.role for t in spec.inputs}
         if not _REQUIRED_INPUT_ROLES <= roles:
             raise GraphkilnError(f"graph '{spec.name}' lacks inputs {sorted(_REQUIRED_INPUT_ROLES - roles)}: re-export the artifact")
         self.spec = spec
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or os.cpu_count() or 1
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            if any(t.dtype == "bfloat16" for t in spec.inputs):
-                raise GraphkilnError(
-                    "bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
-                    "re-export with --dtype fp16 or fp32 for CPU"
-                ) from None
-            raise GraphkilnError(
-                f"onnxruntime cannot load {spec.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
-                "re-export the artifact (for CPU use --dtype fp32 or fp16)"
-            ) from None
-        _check_io(self.session, spec)
+        self.session = cpu_session(artifact_dir, spec, threads)
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
         seam = next((t for t in spec.inputs if t.role == "vision_embeddings"), None)
         if seam is not None:  # zero rows: a step without images

@@ -509,7 +509,7 @@ def open_onnxruntime_cuda(artifact_dir: Path, manifest: Manifest, spec: GraphSpe
     the CUDA EP (naming the nodes), a manifest that disagrees with its graph."""
     import onnxruntime as ort
 
-    from graphkiln.runtime.decoder import _check_io
+    from graphkiln.runtime.decoder import check_io
 
     require_cuda_provider(ort.get_available_providers())
     check_graph(spec)
@@ -525,7 +525,7 @@ def open_onnxruntime_cuda(artifact_dir: Path, manifest: Manifest, spec: GraphSpe
     except RuntimeError as exc:
         raise GraphkilnError(f"CUDA could not start ({exc}): {CUDA_LIBS}") from None
     session = _cuda_session(ort, artifact_dir / spec.file, spec, dtype, threads, memory.device_id)
-    _check_io(session, spec)
+    check_io(session, spec)
     return _runner_and_pool(session, spec, manifest, memory, decode_buckets(DEFAULT_MAX_BATCH))
 
 
@@ -543,10 +543,10 @@ def open_on_host(artifact_dir: Path, manifest: Manifest, spec: GraphSpec, thread
     the padding, binding and pool bookkeeping against ``DecoderGraph`` + ``StatePool``."""
     import onnxruntime as ort
 
-    from graphkiln.runtime.decoder import _check_io
+    from graphkiln.runtime.decoder import check_io
 
     check_graph(spec)
     session = ort.InferenceSession(str(artifact_dir / spec.file), _session_options(ort, threads, record=False),
                                    providers=["CPUExecutionProvider"])
-    _check_io(session, spec)
+    check_io(session, spec)
     return _runner_and_pool(session, spec, manifest, HostMemory(), decode_buckets(max_batch))

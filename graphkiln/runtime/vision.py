@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +94,7 @@ class VisionEncoder:
 
     def __init__(self, artifact_dir: Path, spec: VisionSpec, graph: GraphSpec, threads: int | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        import onnxruntime as ort
-
-        from graphkiln.runtime.decoder import _check_io, numpy_dtype
+        from graphkiln.runtime.decoder import cpu_session, numpy_dtype
 
         self.spec, self.graph = spec, graph
         self.cache = EmbeddingCache(cache_bytes)
@@ -107,21 +104,7 @@ class VisionEncoder:
         self._pixel_values, self._grid, self._output = names["pixel_values"], names.get("image_grid_thw"), out.name
         self.hidden = out.shape[-1] if isinstance(out.shape[-1], int) else None
         self.dtype = numpy_dtype(out.dtype)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or os.cpu_count() or 1
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(artifact_dir / graph.file), opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            if out.dtype == "bfloat16":
-                raise GraphkilnError("bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
-                                     "re-export with --dtype fp16 or fp32 for CPU") from None
-            raise GraphkilnError(
-                f"onnxruntime cannot load {graph.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
-                "re-export the artifact") from None
-        _check_io(self.session, graph)
+        self.session = cpu_session(artifact_dir, graph, threads)
 
     # -- one request image ---------------------------------------------------------------
 
