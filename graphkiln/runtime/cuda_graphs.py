@@ -40,8 +40,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-# Same value as runtime.engine.PAD_ID (any in-vocabulary id; the engine's prompts pad with it).
-PAD_ID = 0
+from graphkiln.runtime.state import PAD_ID
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:

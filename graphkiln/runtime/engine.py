@@ -19,6 +19,7 @@ from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.decoder import numpy_dtype
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
 from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
+from graphkiln.runtime.state import PAD_ID
 from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from graphkiln.runtime.vision import (DEFAULT_CACHE_BYTES, ImageInput, VisionEncoder, check_placeholder_count,
                                       expand_placeholders)
@@ -27,9 +28,6 @@ KNOWN_STATE_KINDS = {"kv", "conv"}
 Prompt = str | Sequence[int]
 ImageSource = object  # one image as a request gives it: a path, an image file's bytes, a PIL image or a uint8 array
 BUSY = "this Engine is already generating: use one Engine per concurrent caller"
-# Padded prompt positions are masked out of attention and of the returned state rows, so any
-# in-vocabulary id will do; the checkpoint's pad_token_id is not trusted to be one.
-PAD_ID = 0
 
 
 class NonFiniteLogitsError(GraphkilnError):

@@ -29,6 +29,13 @@ from graphkiln.manifest import StateSpec
 from graphkiln.memory import available_memory
 
 
+# The token of padding rows and padded prompt positions (the engine's ragged prompts, a decode
+# batch padded to its CUDA-graph bucket): they are masked out of attention and of the state the
+# live rows read, so any in-vocabulary id will do; the checkpoint's pad_token_id is not trusted
+# to be one.
+PAD_ID = 0
+
+
 class PackedSlots:
     """``StatePool``'s slot rules, for any storage: live slots are ``0..live-1``; ``claim``
     takes slot ``live`` and clears its conv rows (conv state is read from the first step; KV
