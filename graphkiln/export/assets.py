@@ -51,20 +51,23 @@ def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
+def _json_object(path: Path, fix: str) -> dict:
+    """A checkpoint JSON file that must hold an object; malformed is one error line ending in ``fix``."""
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GraphkilnError(f"{path.name} in {path.parent} is not valid JSON ({str(exc)[:120]}): {fix}") from None
+    if not isinstance(d, dict):
+        raise GraphkilnError(f"{path.name} in {path.parent} is not a JSON object: {fix}")
+    return d
+
+
 def read_generation_config(src: Path) -> dict:
     """generation_config.json as a dict ({} when absent); malformed is an error, never ignored."""
     path = src / GENERATION_CONFIG
     if not path.is_file():
         return {}
-    try:
-        gen = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GraphkilnError(f"{GENERATION_CONFIG} in {src} is not valid JSON ({str(exc)[:120]}): fix it or "
-                             "delete it (graphkiln then uses greedy defaults)") from None
-    if not isinstance(gen, dict):
-        raise GraphkilnError(f"{GENERATION_CONFIG} in {src} is not a JSON object: fix it or delete it "
-                             "(graphkiln then uses greedy defaults)")
-    return gen
+    return _json_object(path, "fix it or delete it (graphkiln then uses greedy defaults)")
 
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -77,14 +80,7 @@ def read_preprocessor_config(src: Path) -> dict:
     if not path.is_file():
         raise GraphkilnError(f"{src} has no {PREPROCESSOR_CONFIG}: a vision-language checkpoint needs its image "
                              "processor's settings; save the processor with the model (processor.save_pretrained)")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GraphkilnError(f"{PREPROCESSOR_CONFIG} in {src} is not valid JSON ({str(exc)[:120]}): fix it or "
-                             "re-save the processor") from None
-    if not isinstance(d, dict):
-        raise GraphkilnError(f"{PREPROCESSOR_CONFIG} in {src} is not a JSON object: fix it or re-save the processor")
-    return d
+    return _json_object(path, "fix it or re-save the processor")
 
 
 def generation_defaults(src: Path, raw_config: dict, vocab_size: int | None = None,
