@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graphkiln.publish import Interrupted, termination_signals_interrupt
+    from graphkiln.publish import Interrupted, interrupt_arrived, termination_signals_interrupt
 
     # SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup that removes a half-written
     # artifact runs for them too; the previous handlers are back once main returns.
@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return args.fn(args)
             except GraphkilnError as exc:
+                interrupted = interrupt_arrived()  # native code swallowed the interrupt and failed instead
+                if interrupted is not None:
+                    raise interrupted from None
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
         except Interrupted as exc:

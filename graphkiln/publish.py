@@ -61,26 +61,51 @@ class Interrupted(KeyboardInterrupt):
         return signal.Signals(self.signum).name
 
 
+_arrived: list[int] = []  # signals delivered inside termination_signals_interrupt, oldest first
+
+
 @contextmanager
 def termination_signals_interrupt(signums: Sequence[int] = ()) -> Iterator[None]:
     """Within the block, SIGTERM and SIGHUP (or ``signums``) raise :class:`Interrupted` in the
     main thread; the previous handlers are restored on exit. A signal that is ignored
     (``nohup``) or already handled by someone else keeps its handler; outside the main
-    thread nothing is installed (Python only delivers signals there)."""
+    thread nothing is installed (Python only delivers signals there).
+
+    Every signal delivered (Ctrl-C too, still raised as KeyboardInterrupt) is recorded, because
+    native code can swallow the exception a handler raises and fail with an error of its own (a
+    safetensors read interrupted mid-tensor reports a bad storage): ``interrupt_arrived`` gives
+    the interruption back to whoever reports that error."""
     wanted = tuple(signums) or tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
     previous: dict[int, object] = {}
+    _arrived.clear()
     if threading.current_thread() is threading.main_thread():
         def raise_interrupted(signum, frame):
+            _arrived.append(signum)
             raise Interrupted(signum)
+
+        def raise_keyboard_interrupt(signum, frame):
+            _arrived.append(signum)
+            raise KeyboardInterrupt
 
         for s in wanted:
             if signal.getsignal(s) == signal.SIG_DFL:
                 previous[s] = signal.signal(s, raise_interrupted)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, raise_keyboard_interrupt)
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def interrupt_arrived() -> BaseException | None:
+    """The interruption to raise instead of an error, when a signal arrived inside
+    ``termination_signals_interrupt`` (see there); None when none did."""
+    if not _arrived:
+        return None
+    signum = _arrived[0]
+    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
 
 @contextmanager

@@ -346,3 +346,27 @@ def test_demo_workdir_touches_nothing_it_did_not_make(tmp_path, capsys):
     assert {k: v for k, v in after.items() if not k.startswith(made[0])} == before
     assert (work / made[0] / "artifact" / MANIFEST_NAME).is_file()  # --workdir keeps the demo's files
     assert str(work / made[0]) in out
+
+
+@pytest.mark.parametrize("signame, kind, status", [("SIGINT", KeyboardInterrupt, 130), ("SIGTERM", Interrupted, 143)])
+def test_an_interrupt_swallowed_by_native_code_is_still_an_interrupt(monkeypatch, capsys, signame, kind, status):
+    """A signal whose exception native code swallows (safetensors reporting a bad storage instead)
+    is recorded; the CLI reports the interruption, not the error it caused."""
+    import graphkiln.cli as cli
+    from graphkiln.errors import GraphkilnError
+    from graphkiln.publish import interrupt_arrived
+
+    def swallowing(args):
+        try:
+            signal.raise_signal(getattr(signal, signame))
+        except KeyboardInterrupt:
+            pass  # what the native reader did with it
+        assert isinstance(interrupt_arrived(), kind)
+        raise GraphkilnError("model.safetensors is truncated or corrupt reading 'w'")
+
+    monkeypatch.setattr(cli, "_inspect", swallowing)
+    assert cli.main(["inspect", "anything"]) == status
+    err = capsys.readouterr().err
+    assert err.startswith("error: interrupted") and "truncated" not in err
+    with termination_signals_interrupt():
+        assert interrupt_arrived() is None  # a new block starts with nothing recorded
