@@ -71,14 +71,15 @@ KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "pr
 CONV_ROLES = ("conv_state", "new_conv_state")
 INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "pixel_values",
-               "image_grid_thw")
-OUTPUT_ROLES = ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
+               "image_grid_thw", "rope_position_ids", "lookahead")
+OUTPUT_ROLES = ("logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
 # graph name -> (input roles, output roles) it may have; "vision" is a vision-language model's encoder:
 # preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
-                 "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length"),
-                ("logits", "new_key", "new_value", "new_conv_state", "present_key", "present_value")),
+                 "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "rope_position_ids",
+                 "lookahead"),
+                ("logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value")),
     "vision": (("pixel_values", "image_grid_thw"), ("image_embeddings",)),
 }
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three
@@ -393,12 +394,13 @@ class VisionSpec:
     processor does (``preprocessing``), runs the ``vision`` graph, and the image's
     ``placeholder``-many ``image_token_id`` tokens in the prompt take its embedding rows, in
     order, through the decoder's seam. ``positions``: "1d" (placeholders count as ordinary
-    positions)."""
+    positions) or "mrope" (Qwen2.5-VL: the decoder takes ``rope_position_ids``, 3-D rotary
+    positions computed from each image's grid; ``runtime.prompt_layout``)."""
 
     image_token_id: Count
     preprocessing: ImagePreprocessing
     placeholder: PlaceholderRule
-    positions: Literal["1d"] = "1d"
+    positions: Literal["1d", "mrope"] = "1d"
     max_image_pixels: PosInt = DEFAULT_MAX_IMAGE_PIXELS
 
 

@@ -39,6 +39,10 @@ def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[T
     if cfg.vision_seam:
         ins += [TensorSpec("vision_embeddings", dtype, ("vision_rows", cfg.hidden_size), "vision_embeddings"),
                 TensorSpec("vision_scatter_indices", "int64", ("vision_rows",), "vision_scatter_indices")]
+    if cfg.mrope_section:
+        ins.append(TensorSpec("rope_position_ids", "int64", (3, "batch", "seq"), "rope_position_ids"))
+    if cfg.image_lookahead:
+        ins.append(TensorSpec("lookahead", "int64", ("batch", "seq"), "lookahead"))
     if cfg.layers_of("conv"):
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
@@ -117,6 +121,12 @@ def _trace(model: DecoderForExport, opset: int):
         states += [torch.zeros(rows, cfg.hidden_size, dtype=dtype), torch.tensor([0, b * s + 1, 2], dtype=torch.long)]
         vision_rows = Dim("vision_rows")
         state_dims += [{0: vision_rows}, {0: vision_rows}]
+    if cfg.mrope_section:
+        states.append(torch.arange(s).expand(3, b, s).contiguous())
+        state_dims.append({1: batch, 2: seq})
+    if cfg.image_lookahead:
+        states.append(torch.zeros(b, s, dtype=torch.long))
+        state_dims.append({0: batch, 1: seq})
     if cfg.layers_of("conv"):
         states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
         state_dims += [{0: batch}, {0: batch}]

@@ -95,6 +95,13 @@ class DecoderConfig:
     # The decoder of a vision-language model: its graph takes vision_embeddings and
     # vision_scatter_indices (see models.decoder), the seam the vision graph's output enters by.
     vision_seam: bool = False
+    # M-RoPE (Qwen2-VL family): the graph takes rope_position_ids [3, batch, seq]; the head_dim/2
+    # rotary frequencies split into these sections (temporal, height, width), section j rotating by
+    # stream j's position. None: rotary positions are the cache positions (position_ids).
+    mrope_section: tuple[int, ...] | None = None
+    # Gemma3's images: the graph takes lookahead [batch, seq] (graphkiln.Attention), so an image's
+    # tokens see the whole image. False: every token is causal (a constant zero lookahead).
+    image_lookahead: bool = False
     # The raw HF config dict, for rope init functions that want more fields.
     raw: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 

@@ -19,6 +19,10 @@ Graph contract (one graph serves prefill and decode):
                 skipped, so a prompt prefilled in chunks can pass every image row each time
                 and each lands once. A step without images passes zero rows: the signature
                 never changes (a captured CUDA graph or a TensorRT profile replays it as it is).
+  rope_position_ids int64 [3, batch, seq] M-RoPE positions (only with mrope_section; see
+                runtime.prompt_layout): rotary positions, which need not be the cache positions
+  lookahead     int64 [batch, seq]      extra positions each token may see (only with
+                image_lookahead: Gemma3's bidirectional images; graphkiln.Attention)
   seq_lens      int64 [batch]           real tokens per row      (only with conv layers)
   slot_idx      int64 [batch]           row b's conv-state slot  (only with conv layers)
   then per layer, in layer order:
@@ -79,7 +83,8 @@ class Attention(nn.Module):
         self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
         self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
 
-    def forward(self, x, rope_tables, position_ids, past_k, past_v):
+    def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None):
+        """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them."""
         from graphkiln.ops import torch_op
 
         b, s, _ = x.shape
@@ -87,9 +92,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(b, s, self.num_heads, self.head_dim)).view(b, s, -1)
             k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
-        cos, sin = rope_tables
-        out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, self.num_heads,
-                                                  self.num_kv_heads, self.window or 0, self.scale)
+        cos, sin, layout = rope_tables
+        if lookahead is None:  # causal tokens: one constant zero (folded by every target)
+            lookahead = torch.zeros(1, 1, dtype=torch.int64)
+        out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, lookahead,
+                                                  self.num_heads, self.num_kv_heads, self.window or 0, self.scale,
+                                                  rope_layout=layout)
         if self.g_proj is not None:
             out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
         return self.o_proj(out), new_k, new_v
@@ -176,11 +184,11 @@ class DecoderLayer(nn.Module):
         else:
             self.post_mixer_norm = self.post_ffn_norm = None
 
-    def forward(self, x, rope, position_ids, state, slot_idx, seq_lens):
+    def forward(self, x, rope, position_ids, state, slot_idx, seq_lens, lookahead=None):
         """Returns the new hidden states and this layer's new state rows (a tuple)."""
         h = self.input_layernorm(x)
         if self.spec.mixer == "attention":
-            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state)
+            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead)
             new = (k, v)
         else:
             h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
@@ -251,6 +259,21 @@ class DecoderForExport(nn.Module):
             self.set_rope_positions(self.rope_positions)
         return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
 
+    def _rope(self, flavor: str, rope_position_ids):
+        """(cos, sin, rope_layout) for graphkiln.Attention: the tables (layout 0), or with M-RoPE
+        each token's values (layout 1), frequency section j taken at stream j's position, computed
+        once per step for every layer."""
+        cos, sin = self.rope_tables(flavor)
+        if rope_position_ids is None:
+            return cos, sin, 0
+        sections = list(self.cfg.mrope_section)
+
+        def per_token(table):
+            streams = table[rope_position_ids]  # [3, B, S, D/2]
+            return torch.cat([part[j % 3] for j, part in enumerate(streams.split(sections, dim=-1))], dim=-1)
+
+        return per_token(cos), per_token(sin), 1
+
     def state_arity(self, i: int) -> int:
         return 2 if self.cfg.layers[i].mixer == "attention" else 1
 
@@ -264,16 +287,21 @@ class DecoderForExport(nn.Module):
         if self.cfg.vision_seam:
             x = scatter_vision_rows(x, rest[0], rest[1])
             rest = rest[2:]
+        rope_position_ids = lookahead = None
+        if self.cfg.mrope_section:
+            rope_position_ids, rest = rest[0], rest[1:]
+        if self.cfg.image_lookahead:
+            lookahead, rest = rest[0], rest[1:]
         if self.has_conv:
             seq_lens, slot_idx, states = rest[0], rest[1], rest[2:]
         else:
             seq_lens = slot_idx = None
             states = rest
-        rope = {name: self.rope_tables(name) for name in self.rope_flavors}
+        rope = {name: self._rope(name, rope_position_ids) for name in self.rope_flavors}
         new_states = []
         for i, layer in enumerate(self.model.layers):
             off = self._offset(i)
-            x, new = layer(x, rope, position_ids, states[off: off + self.state_arity(i)], slot_idx, seq_lens)
+            x, new = layer(x, rope, position_ids, states[off: off + self.state_arity(i)], slot_idx, seq_lens, lookahead)
             new_states += new
 
         index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])

@@ -3,8 +3,13 @@
 q [B, S, Nq*D], k / v [B, S, Nkv*D] (projections of the new tokens, after any q/k norm),
 past_key / past_value [B, Nkv, C, D] (the cache: row b's token at position p is at
 ``[b, :, p]``), position_ids [B, S] (row b's new tokens sit at positions start_b + 0..S-1,
-start_b = tokens already cached), cos_cache / sin_cache [P, D/2] (rotary tables by position,
-any rope scaling folded in, P >= every position used)
+start_b = tokens already cached), cos_cache / sin_cache (by ``rope_layout``: 0 (default), rotary
+tables [P, D/2] by position, any rope scaling folded in, P >= every position used, gathered at
+position_ids; 1, this step's per-token values [B, S, D/2], computed by the graph, e.g. M-RoPE's
+sections from 3-D positions, which are not the cache positions), lookahead [B|1, S|1] int64
+(how many positions past its own each new token may also see; 0 = causal; a text model passes
+a constant zero [1, 1]; Gemma3 gives an image's tokens the distance to the image's last token,
+which is transformers' OR(causal, same image) mask)
 -> out [B, S, Nq*D] and, by ``kv_update``:
   0 (default): new_key / new_value [B, Nkv, S, D], the new tokens' rotated keys and values;
      the caller stores them at their positions.
@@ -19,9 +24,11 @@ any rope scaling folded in, P >= every position used)
 Semantics: q and k are rotated "rotate-half" style (x * cos + rotate_half(x) * sin with the
 tables gathered at position_ids and repeated to D); query head h reads KV head
 h // (Nq / Nkv); a new token at position p sees cached keys at positions < start_b and new
-keys at positions <= p, and with ``window`` > 0 only keys at positions > p - window;
+keys at positions <= p + lookahead, and with ``window`` > 0 only keys at positions > p - window;
 scores are scaled by ``scale`` and the softmax runs in fp32. Padding after a row's real tokens
-(higher positions) is never seen by its real tokens. Only cache positions < start_b are read,
+(higher positions) is never seen by its real tokens (a lookahead never reaches past a row's
+real tokens, and a block it opens must lie within one step: the runtime never splits an image
+across prefill chunks). Only cache positions < start_b are read,
 so the cache beyond them may hold anything.
 
 Why one op: attention with a cache is what every runtime implements its own way — a
@@ -37,7 +44,7 @@ from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 SPEC = CustomOpSpec(
     name="Attention",
     torch_name="attention",
-    inputs=("q", "k", "v", "past_key", "past_value", "position_ids", "cos_cache", "sin_cache"),
+    inputs=("q", "k", "v", "past_key", "past_value", "position_ids", "cos_cache", "sin_cache", "lookahead"),
     outputs=("out", "new_key", "new_value"),
     attributes=(
         AttrSpec("num_heads", "int", "Nq, query heads"),
@@ -46,6 +53,8 @@ SPEC = CustomOpSpec(
         AttrSpec("scale", "float", "multiplies q.k (usually D ** -0.5)"),
         AttrSpec("kv_update", "int", "0: return the new rows; 1: return the whole cache with them written in place",
                  default=0),
+        AttrSpec("rope_layout", "int", "0: cos/sin are tables [P, D/2] gathered at position_ids; "
+                 "1: they are per-token [B, S, D/2]", default=0),
     ),
     output_dtypes_from=("q", "past_key", "past_value"),
     doc=__doc__,
@@ -55,7 +64,7 @@ SPEC = CustomOpSpec(
 IN_PLACE_ATTR = "kv_update"
 
 
-def visible_keys(position_ids, cache_len: int, window: int):
+def visible_keys(position_ids, cache_len: int, window: int, lookahead=None):
     """Boolean [B, 1, 1, S, C + S]: may new token (b, s) see key j (cache then new tokens)?"""
     import torch
 
@@ -64,7 +73,8 @@ def visible_keys(position_ids, cache_len: int, window: int):
     key_pos = torch.cat((cache_pos, position_ids), dim=1)
     key_ok = torch.cat((cache_pos < start, position_ids >= start), dim=1)
     q_pos, k_pos = position_ids.unsqueeze(2), key_pos.unsqueeze(1)
-    visible = (k_pos <= q_pos) & key_ok.unsqueeze(1)
+    limit = q_pos if lookahead is None else q_pos + lookahead.unsqueeze(2)
+    visible = (k_pos <= limit) & key_ok.unsqueeze(1)
     if window > 0:
         visible = visible & (k_pos > q_pos - window)
     return visible[:, None, None]
@@ -77,14 +87,22 @@ def _rotate(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale,
-              kv_update=0):
+def per_token_rope(cos_cache, sin_cache, position_ids, rope_layout: int):
+    """(cos, sin) [B, S, D/2] of this step's tokens, by ``rope_layout``."""
+    if rope_layout:
+        return cos_cache, sin_cache
+    return cos_cache[position_ids], sin_cache[position_ids]
+
+
+def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads, num_kv_heads,
+              window, scale, kv_update=0, rope_layout=0):
     import torch
 
     b, s, _ = q.shape
     d = past_key.shape[-1]
-    cos = cos_cache[position_ids].repeat(1, 1, 2).unsqueeze(1).to(q.dtype)  # [B, 1, S, D]
-    sin = sin_cache[position_ids].repeat(1, 1, 2).unsqueeze(1).to(q.dtype)
+    half_cos, half_sin = per_token_rope(cos_cache, sin_cache, position_ids, rope_layout)
+    cos = half_cos.repeat(1, 1, 2).unsqueeze(1).to(q.dtype)  # [B, 1, S, D]
+    sin = half_sin.repeat(1, 1, 2).unsqueeze(1).to(q.dtype)
     q4 = _rotate(q.view(b, s, num_heads, d).transpose(1, 2), cos, sin)
     k4 = _rotate(k.view(b, s, num_kv_heads, d).transpose(1, 2), cos, sin)
     v4 = v.view(b, s, num_kv_heads, d).transpose(1, 2)
@@ -95,7 +113,8 @@ def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache,
     rep = num_heads // num_kv_heads
     scores = torch.matmul(q4.reshape(b, num_kv_heads, rep * s, d), keys.transpose(2, 3)) * scale
     scores = scores.float().view(b, num_kv_heads, rep, s, -1)
-    scores = scores.masked_fill(~visible_keys(position_ids, past_key.shape[2], window), float("-inf"))
+    ahead = lookahead.expand(b, s)
+    scores = scores.masked_fill(~visible_keys(position_ids, past_key.shape[2], window, ahead), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, num_kv_heads, rep * s, -1)
     out = torch.matmul(probs, values).view(b, num_heads, s, d).transpose(1, 2).reshape(b, s, num_heads * d)
     if kv_update:
@@ -114,8 +133,8 @@ def write_rows(cache, rows, position_ids):
     return out
 
 
-def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads, num_kv_heads, window, scale,
-         kv_update=0):
+def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads, num_kv_heads, window,
+         scale, kv_update=0, rope_layout=0):
     if kv_update:
         return q.new_empty(q.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
     b, s, _ = q.shape
@@ -132,9 +151,9 @@ def onnx_function(opset: int):
     gk = Opset(SPEC.domain, SPEC.version)
 
     @onnxscript.script(gk, default_opset=op)
-    def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads: int,
+    def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads: int,
                   num_kv_heads: int, window: int, scale: float, plugin_namespace: str, plugin_version: str,
-                  kv_update: int = 0):
+                  kv_update: int = 0, rope_layout: int = 0):
         one = op.Constant(value_ints=[1])
         minus1 = op.Constant(value_ints=[-1])
         nq = op.Reshape(op.Constant(value_int=num_heads), one)
@@ -143,8 +162,13 @@ def onnx_function(opset: int):
         q4 = op.Transpose(op.Reshape(q, op.Concat(bs, nq, minus1, axis=0)), perm=[0, 2, 1, 3])  # [B, Nq, S, D]
         k4 = op.Transpose(op.Reshape(k, op.Concat(bs, nkv, minus1, axis=0)), perm=[0, 2, 1, 3])  # [B, Nkv, S, D]
         v4 = op.Transpose(op.Reshape(v, op.Concat(bs, nkv, minus1, axis=0)), perm=[0, 2, 1, 3])
-        half_cos = op.Gather(cos_cache, position_ids, axis=0)  # [B, S, D/2]
-        half_sin = op.Gather(sin_cache, position_ids, axis=0)
+        # rope_layout is a constant once inlined: onnxruntime folds the If (as kv_update's below).
+        if op.Equal(op.Constant(value_int=rope_layout), op.Constant(value_int=1)):
+            half_cos = op.Identity(cos_cache)  # [B, S, D/2], per token already
+            half_sin = op.Identity(sin_cache)
+        else:
+            half_cos = op.Gather(cos_cache, position_ids, axis=0)  # [B, S, D/2]
+            half_sin = op.Gather(sin_cache, position_ids, axis=0)
         cos = op.CastLike(op.Unsqueeze(op.Concat(half_cos, half_cos, axis=-1), one), q)  # [B, 1, S, D]
         sin = op.CastLike(op.Unsqueeze(op.Concat(half_sin, half_sin, axis=-1), one), q)
         q1, q2 = op.Split(q4, axis=-1, num_outputs=2)
@@ -172,7 +196,8 @@ def onnx_function(opset: int):
         key_ok = op.Concat(op.Less(cache_pos, start), op.GreaterOrEqual(position_ids, start), axis=1)
         q_pos = op.Unsqueeze(position_ids, op.Constant(value_ints=[2]))  # [B, S, 1]
         k_pos = op.Unsqueeze(key_pos, one)  # [B, 1, C+S]
-        visible = op.And(op.LessOrEqual(k_pos, q_pos), op.Unsqueeze(key_ok, one))
+        limit = op.Add(q_pos, op.Unsqueeze(lookahead, op.Constant(value_ints=[2])))  # [B|1, S|1, 1]
+        visible = op.And(op.LessOrEqual(k_pos, limit), op.Unsqueeze(key_ok, one))
         w = op.Constant(value_int=window)
         in_window = op.Or(op.Equal(w, op.Constant(value_int=0)), op.Greater(k_pos, op.Sub(q_pos, w)))
         visible = op.Unsqueeze(op.And(visible, in_window), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, S, C+S]

@@ -26,6 +26,7 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec, is_pool_output
+from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.state import StatePool
 
 _REQUIRED_INPUT_ROLES = {"input_ids", "position_ids", "logits_index", "past_key", "past_value"}
@@ -111,6 +112,7 @@ class DecoderGraph:
         self.spec = spec
         self.session = cpu_session(artifact_dir, spec, threads)
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
+        self.layout_roles = needed_roles(self.names)
         seam = next((t for t in spec.inputs if t.role == "vision_embeddings"), None)
         if seam is not None:  # zero rows: a step without images
             self._no_vision_rows = np.zeros((0, seam.shape[1]), numpy_dtype(seam.dtype))
@@ -137,13 +139,16 @@ class DecoderGraph:
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray,
-            vision: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+            vision: tuple[np.ndarray, np.ndarray] | None = None,
+            extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """One forward over the live slots 0..n-1 (n = len(input_ids)); returns logits [n, n_logits, vocab].
 
         Row b is slot b and holds ``lengths[b]`` real tokens starting at position
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
         ``vision`` = (embeddings [rows, hidden], flat token-row indices [rows]) for a
         vision-language decoder (the seam, models.decoder); None passes zero rows.
+        ``extra``: the layout inputs this graph takes (``runtime.prompt_layout``: M-RoPE positions,
+        lookahead) by role; a role not given gets plain positions / causal zeros.
         The logits array may be a buffer this object reuses: valid until the next ``run``
         (copy what must outlive it).
         """
@@ -156,6 +161,10 @@ class DecoderGraph:
         if "vision_embeddings" in self.names:
             rows, indices = vision if vision is not None else (self._no_vision_rows, np.zeros(0, np.int64))
             given["vision_embeddings"], given["vision_scatter_indices"] = rows, indices.astype(np.int64)
+        for role in self.layout_roles:
+            given[role] = (extra or {}).get(role)
+            if given[role] is None:
+                given[role] = pack((role,), [None] * n, position_ids[:, 0], input_ids.shape[1])[role]
         if self.present or self.pool_outputs:
             outs = self._run_bound(pool, n, given, {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
         else:

@@ -17,6 +17,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
 from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.decoder import numpy_dtype
+from graphkiln.runtime.prompt_layout import PromptLayout, needed_roles, pack
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
 from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
 from graphkiln.runtime.state import PAD_ID
@@ -60,6 +61,7 @@ class _Request:
     images: list[ImageInput] = field(default_factory=list)  # in prompt order; dropped once encoded
     image_positions: np.ndarray | None = None  # prompt position of each image embedding row, in order
     image_rows: np.ndarray | None = None  # [len(image_positions), hidden], once encoded
+    layout: PromptLayout | None = None  # per-token extras (M-RoPE positions, image lookahead); None: plain text
 
     @property
     def position(self) -> int:
@@ -120,6 +122,7 @@ class Engine:
                                         threads, vision_cache_bytes)
             seam = next((t for t in self.decoder.spec.inputs if t.role == "vision_embeddings"), None)
             self._seam_dtype = numpy_dtype(seam.dtype) if seam is not None else self.state_dtype
+        self._layout_roles = needed_roles({t.role for t in self.decoder.spec.inputs})
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
@@ -255,7 +258,8 @@ class Engine:
 
     def _prepare(self, prompts: list[Prompt], images, single: bool) -> list[tuple[list[int], list[ImageInput], np.ndarray | None]]:
         """Every prompt's (ids with image tokens expanded, its images decoded and checked, the
-        prompt positions of its image rows); every refusal happens here, before anything runs."""
+        prompt positions of its image rows); every refusal happens here, before anything runs.
+        The requests' layouts come from ``_layout``."""
         per_prompt = self._per_prompt_images(images, len(prompts), single)
         out = []
         for i, (prompt, sources) in enumerate(zip(prompts, per_prompt)):
@@ -273,6 +277,29 @@ class Engine:
             self._check_length(ids, loaded)
             out.append((ids, loaded, positions))
         return out
+
+    def _layout(self, ids: list[int], images: Sequence[ImageInput], image_positions: np.ndarray | None) -> PromptLayout | None:
+        """The request's per-token extras when its decoder takes any (``runtime.prompt_layout``)."""
+        if not self._layout_roles:
+            return None
+        spans, at = [], 0
+        for im in images:
+            start = int(image_positions[at])
+            spans.append((start, start + im.tokens))
+            at += im.tokens
+        layout = PromptLayout(len(ids), tuple(spans), bidirectional_images="lookahead" in self._layout_roles)
+        if "rope_position_ids" in self._layout_roles:
+            from graphkiln.runtime.mrope import with_rope_positions
+
+            layout = with_rope_positions(layout, ids, images, self.manifest.vision)
+        return layout
+
+    def _extra(self, reqs: Sequence[_Request], starts: np.ndarray, seq: int) -> dict[str, np.ndarray] | None:
+        """The layout inputs of one step over ``reqs`` (row b: request b from ``starts[b]``); None when
+        the graph takes none (the GPU runners, which refuse such artifacts, take no ``extra``)."""
+        if not self._layout_roles:
+            return None
+        return pack(self._layout_roles, [r.layout for r in reqs], starts, seq)
 
     def _encode_images(self, reqs: Sequence[_Request]) -> None:
         """Each request's image rows (``image_rows``), from the cache or one vision-graph pass
@@ -367,7 +394,7 @@ class Engine:
             prompts = list(prompt_ids)
             if not prompts:
                 raise GraphkilnError("prompt_logits needs at least one prompt")
-            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos)
+            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
                     for i, (ids, loaded, pos) in enumerate(self._prepare(prompts, images, single=False))]
             self._encode_images(reqs)
             ids = [r.prompt_ids for r in reqs]
@@ -401,13 +428,15 @@ class Engine:
             input_ids[b, : len(p)] = p
         positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
         lengths = np.array([len(p) for p in ids], np.int64)
+        extra = self._extra(reqs, np.zeros(n, np.int64), longest)
         with_images = [(b, r) for b, r in enumerate(reqs) if r.image_rows is not None]
         if not with_images:
-            return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths)
+            return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
+                                    **({"extra": extra} if extra else {}))
         rows = np.concatenate([r.image_rows for _, r in with_images])
         indices = np.concatenate([b * longest + r.image_positions for b, r in with_images]).astype(np.int64)
         return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
-                                vision=(rows, indices))
+                                vision=(rows, indices), **({"extra": extra} if extra else {}))
 
     def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
              single: bool = False) -> Iterator[TokenEvent]:
@@ -428,7 +457,8 @@ class Engine:
             budget = min(cfg.max_new_tokens, self.max_seq_len - len(ids))
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
             reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i)), detokenizer=detok,
-                                 images=loaded, image_positions=image_positions))
+                                 images=loaded, image_positions=image_positions,
+                                 layout=self._layout(ids, loaded, image_positions)))
         active = [r for r in reqs if r.budget > 0]
         for r in reqs:
             if r.budget == 0:
@@ -456,7 +486,9 @@ class Engine:
                 tokens = np.array([[r.tokens[-1]] for r in by_slot], np.int64)
                 positions = np.array([[r.position - 1] for r in by_slot], np.int64)
                 n = len(by_slot)
-                logits = self.decoder.run(self.pool, tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))[:, 0]
+                extra = self._extra(by_slot, positions[:, 0], 1)
+                logits = self.decoder.run(self.pool, tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64),
+                                          **({"extra": extra} if extra else {}))[:, 0]
         finally:
             # Failure or cancellation (the caller closed the stream): free what is still held.
             for r in sorted(by_slot, key=lambda r: -r.slot):

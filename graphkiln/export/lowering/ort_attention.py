@@ -50,8 +50,9 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     types = _elem_types(g)
     specs = {t.name: t for t in graph.outputs}
     head_dims = {t.name: t.shape[3] for t in graph.inputs if t.role in ("past_key", "past_value")}
+    zeros = _constant_zeros(g)
     targets = [n for n in g.node if n.domain == DOMAIN and n.op_type == "Attention"
-               and types.get(n.input[3]) in _GQA_TYPES and all(o in specs for o in n.output[1:])
+               and types.get(n.input[3]) in _GQA_TYPES and n.input[8] in zeros and _attr(n, "rope_layout", 0) == 0 and all(o in specs for o in n.output[1:])
                and isinstance(head_dims.get(n.input[3]), int) and head_dims[n.input[3]] % 16 == 0]
     if not targets:
         return graph, 0
@@ -77,7 +78,7 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
         if id(node) not in lowered:
             new_nodes.append(node)
             continue
-        q, k, v, past_k, past_v, pos, cos, sin = node.input
+        q, k, v, past_k, past_v, pos, cos, sin, _causal = node.input
         if pos not in lengths:
             lengths[pos] = _seqlens_k(prologue, pos, seq_lens, len(lengths))
         seqlens_k = lengths[pos]
@@ -118,6 +119,26 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     _drop_unused_function(model, "Attention")
     outputs = tuple(renamed.get(t.name, t) for t in graph.outputs)
     return dataclasses.replace(graph, inputs=tuple(inputs), outputs=outputs), len(targets)
+
+
+def _constant_zeros(g: onnx.GraphProto) -> set[str]:
+    """Names of the graph's constant all-zero tensors (a causal node's ``lookahead``: GQA has no
+    lookahead, so only such nodes are lowered)."""
+    from onnx import numpy_helper
+
+    found = {t.name for t in g.initializer
+             if t.data_location != TensorProto.EXTERNAL and not numpy_helper.to_array(t).any()}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None and not numpy_helper.to_array(value).any():
+                found.add(n.output[0])
+    return found
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    a = next((a for a in node.attribute if a.name == name), None)
+    return default if a is None else helper.get_attribute_value(a)
 
 
 def _seqlens_k(prologue: list, pos: str, seq_lens: str, i: int) -> str:
