@@ -193,6 +193,13 @@ class PlaceholderRule:
       token), 0 for SigLIP. (H, W) is the processed image's size.
     - ``fixed`` (Gemma3: ``mm_tokens_per_image``): ``tokens_per_image`` for every image.
     - ``merged_grid`` (Qwen2-VL / Qwen2.5-VL): ``t * h * w // merge_size**2`` of the image's grid.
+
+    What replaces the prompt's placeholder (``runtime.vision.expand_placeholders``): ``prefix_ids``,
+    then that many ``row_token_id`` tokens (the ones whose embeddings the image's rows replace;
+    None: the placeholder's own id), then ``suffix_ids``. LLaVA and Qwen: no prefix or suffix, the
+    placeholder repeated. Gemma3 (``Gemma3Processor``): the prompt holds ``<start_of_image>`` and
+    each becomes ``"\n\n" <start_of_image> <image_soft_token> x n <end_of_image> "\n\n"``, the
+    newlines' ids taken from the checkpoint's tokenizer at export.
     """
 
     kind: Literal["patch_grid", "fixed", "merged_grid"]
@@ -201,6 +208,9 @@ class PlaceholderRule:
     vision_feature_select_strategy: Literal["default", "full"] = "full"
     tokens_per_image: Annotated[int, Field(gt=0, le=1 << 20)] | None = None
     merge_size: Annotated[int, Field(gt=0, le=64)] | None = None
+    row_token_id: Annotated[int, Field(ge=0)] | None = None
+    prefix_ids: Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(max_length=16)] = ()
+    suffix_ids: Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(max_length=16)] = ()
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "PlaceholderRule":

@@ -180,8 +180,9 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
 
     def random_ids(n: int) -> list[int]:
         ids = rng.integers(0, vocab, n)
-        if vision is not None:  # an image token in a text prompt would need an image
-            ids[ids == vision.image_token_id] = (vision.image_token_id + 1) % vocab
+        if vision is not None:  # an image (or image row) token in a text prompt would need an image
+            for tid in {vision.image_token_id, vision.placeholder.row_token_id} - {None}:
+                ids[ids == tid] = (tid + 1) % vocab
         return ids.tolist()
 
     def compare(ours: np.ndarray, ref: np.ndarray, where) -> None:
@@ -249,6 +250,7 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
                 except NonFiniteLogitsError as exc:
                     raise _NonFinite(f"ours at generation step {exc.step} of prompt {exc.request} ({label})") from None
                 expanded = [r.prompt_ids for r in results]  # the ids the model saw, image tokens expanded
+                pixels = [_reference_image_inputs(engine, ids, px) for ids, px in zip(expanded, pixels)]
                 for i, (ids, ours) in enumerate(zip(expanded, engine.prompt_logits(prompts, images=images))):
                     with torch.no_grad():
                         ref = model(input_ids=torch.tensor([ids]), **(pixels[i] or {})).logits[0].float().numpy()
@@ -321,6 +323,26 @@ def _vision_cases(engine: Engine, limit: int, random_ids, seed: int):
         else:
             cases.append((label, prompts, images))
     return cases
+
+
+def _reference_image_inputs(engine: Engine, ids: list[int], pixels: dict | None) -> dict | None:
+    """``pixels`` plus what the reference model needs to know which tokens are image rows, as its
+    processor returns it: ``token_type_ids`` for a decoder whose image tokens see their whole image
+    (``lookahead``: Gemma3; without them transformers masks the image causally) and
+    ``mm_token_type_ids`` for M-RoPE (Qwen2.5-VL; without them it falls back to 1-D positions)."""
+    import torch
+
+    if not pixels:
+        return pixels
+    vision = engine.manifest.vision
+    row = vision.placeholder.row_token_id if vision.placeholder.row_token_id is not None else vision.image_token_id
+    rows = torch.tensor([ids]) == row
+    extra = {}
+    if any(t.role == "lookahead" for t in engine.decoder.spec.inputs):
+        extra["token_type_ids"] = rows.long()
+    if vision.positions == "mrope":
+        extra["mm_token_type_ids"] = rows.int()
+    return {**pixels, **extra}
 
 
 def _pixel_values(engine: Engine, images) -> dict | None:

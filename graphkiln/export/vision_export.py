@@ -32,16 +32,20 @@ def export_vision(module: torch.nn.Module, vcfg: VisionConfig, hidden: int, dtyp
     from graphkiln.export.external_data import save_model
     from graphkiln.export.onnx_export import IR_FOR_OPSET
 
-    ins, outs = vision_io(vcfg, hidden, dtype)
-    h, w = vcfg.image_size
-    example = torch.rand(2, 3, h, w)  # 2 images: not 0 or 1, so the images axis stays dynamic
+    if hasattr(module, "graph_io"):  # a graph with its own inputs (models.vision)
+        ins, outs, args, dynamic = module.graph_io(hidden, dtype)
+    else:
+        ins, outs = vision_io(vcfg, hidden, dtype)
+        h, w = vcfg.image_size
+        args = (torch.rand(2, 3, h, w),)  # 2 images: not 0 or 1, so the images axis stays dynamic
+        dynamic = ({0: Dim("images")},)
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     log = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(module, (example,), dynamo=True, input_names=["pixel_values"],
-                                        output_names=["image_embeddings"], dynamic_shapes=({0: Dim("images")},),
+            program = torch.onnx.export(module, args, dynamo=True, input_names=[t.name for t in ins],
+                                        output_names=[t.name for t in outs], dynamic_shapes=dynamic,
                                         opset_version=opset, external_data=True, optimize=True)
     except Exception as exc:
         raise GraphkilnError(f"ONNX export of the vision graph failed ({type(exc).__name__}: "

@@ -32,11 +32,13 @@ MAX_IMAGES_PER_RUN = 16  # images encoded per vision-graph run (bounds the activ
 @dataclass(frozen=True, eq=False)
 class ImageInput:
     """One request image, decoded and checked: ``image`` (RGB PIL), ``key`` (its content hash,
-    the cache key) and ``tokens`` (how many placeholder tokens it expands to in the prompt)."""
+    the cache key) and ``tokens`` (how many placeholder tokens it expands to in the prompt);
+    ``grid``: its patch grid (t, h, w) where the preprocessing has one (qwen2_vl), else None."""
 
     image: Any
     key: str
     tokens: int
+    grid: tuple[int, int, int] | None = None
 
 
 class EmbeddingCache:
@@ -105,6 +107,7 @@ class VisionEncoder:
         self.hidden = out.shape[-1] if isinstance(out.shape[-1], int) else None
         self.dtype = numpy_dtype(out.dtype)
         self.session = cpu_session(artifact_dir, graph, threads)
+        self._groups, self._window = _group_inputs(graph, spec)
 
     # -- one request image ---------------------------------------------------------------
 
@@ -124,7 +127,7 @@ class VisionEncoder:
             raise ImageError(f"{where}: {exc}") from None
         if tokens < 1:
             raise ImageError(f"{where} ({width}x{height}) expands to no placeholder token: pass a larger image")
-        return ImageInput(image, content_hash(image), tokens)
+        return ImageInput(image, content_hash(image), tokens, grid)
 
     # -- embeddings -----------------------------------------------------------------------
 
@@ -157,6 +160,11 @@ class VisionEncoder:
         feeds = {self._pixel_values: pre.pixel_values}
         if self._grid is not None:
             feeds[self._grid] = pre.image_grid_thw
+        if self._groups:  # a windowed tower's patch grid and attention groups
+            from graphkiln.runtime.vision_groups import patch_groups
+
+            groups = patch_groups(pre.grids, self.spec.preprocessing.merge_size, self._window)
+            feeds.update({name: groups[role] for role, name in self._groups.items()})
         counts = [item.tokens for item in items]
         try:
             (rows,) = self.session.run([self._output], feeds)
@@ -174,23 +182,64 @@ class VisionEncoder:
         return [np.array(part) for part in np.split(rows, bounds)]  # own copies: the session's buffer is not kept
 
 
+def _group_inputs(graph: GraphSpec, spec: VisionSpec) -> tuple[dict[str, str], int]:
+    """The vision graph's ``runtime.vision_groups`` inputs (role -> input name) and the window (in
+    merge units) its static ``window_groups`` width implies; ({}, 0) for a graph without them."""
+    from graphkiln.runtime.vision_groups import GROUP_ROLES, window_from_area
+
+    names = {t.role: t.name for t in graph.inputs if t.role in GROUP_ROLES}
+    if not names:
+        return {}, 0
+    merge = spec.preprocessing.merge_size
+    windows = next((t for t in graph.inputs if t.role == "window_groups"), None)
+    if set(names) != set(GROUP_ROLES) or merge is None or windows is None:
+        raise GraphkilnError(f"the vision graph takes {', '.join(sorted(names))} but not all of "
+                             f"{', '.join(GROUP_ROLES)} with qwen2_vl preprocessing: re-export the artifact")
+    try:
+        window = window_from_area(windows.shape[1], merge)
+    except ValueError as exc:
+        raise GraphkilnError(f"the vision graph's window_groups: {exc}: re-export the artifact") from None
+    return names, window
+
+
 def expand_placeholders(ids: Sequence[int], image_token_id: int, counts: Sequence[int], *, prompt: int = 0,
-                        token_text: str = "<image>") -> tuple[list[int], np.ndarray]:
-    """Expand each ``image_token_id`` in ``ids`` into ``counts[k]`` copies (k-th occurrence, k-th
-    image), as the model's processor does; return the expanded ids and, for every copy in order,
-    its position in them (int64 ``[sum(counts)]``: where the images' embedding rows go).
+                        token_text: str = "<image>", rule: Any = None) -> tuple[list[int], np.ndarray]:
+    """Expand each ``image_token_id`` in ``ids`` (k-th occurrence, k-th image) as the model's
+    processor does; return the expanded ids and the position in them of every token that takes an
+    image row, in order (int64 ``[sum(counts)]``: where the images' embedding rows go).
+
+    Without a ``rule`` (``imaging.PlaceholderRule``), or one with no prefix, suffix or row token
+    (LLaVA, Qwen), the placeholder becomes ``counts[k]`` copies of itself. Otherwise it becomes
+    ``rule.prefix_ids + [rule.row_token_id] * counts[k] + rule.suffix_ids`` (Gemma3), and a
+    prompt that already holds a row token (which only the processor places) is refused.
+
+    On token ids this equals the processor's text-level expansion wherever the prefix and suffix
+    tokenize on their own, which special tokens do; Gemma3's "\n\n" could merge with newlines the
+    prompt puts right beside ``<start_of_image>`` when text is tokenized after expanding.
 
     A prompt whose placeholder count is not its image count is refused in one line naming
     ``prompt`` and ``token_text``."""
     check_placeholder_count(ids, image_token_id, len(counts), prompt=prompt, token_text=token_text)
+    row = image_token_id
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    if rule is not None:
+        prefix, suffix = tuple(rule.prefix_ids), tuple(rule.suffix_ids)
+        if rule.row_token_id is not None and rule.row_token_id != image_token_id:
+            row = rule.row_token_id
+            if any(t == row for t in ids):
+                raise GraphkilnError(f"prompt {prompt} holds image row token {row}, which only the expansion of "
+                                     f"{token_text} places: write {token_text} where each image goes instead")
     at = [i for i, t in enumerate(ids) if t == image_token_id]
     out: list[int] = []
     positions: list[np.ndarray] = []
     prev = 0
     for i, n in zip(at, counts):
         out.extend(ids[prev:i])
+        out.extend(prefix)
         positions.append(np.arange(len(out), len(out) + n, dtype=np.int64))
-        out.extend([image_token_id] * n)
+        out.extend([row] * n)
+        out.extend(suffix)
         prev = i + 1
     out.extend(ids[prev:])
     return out, (np.concatenate(positions) if positions else np.zeros(0, np.int64))
