@@ -30,7 +30,9 @@ from graphkiln.runtime.state import StatePool
 from cli_contract import assert_one_error, run_cli
 
 EMBED = "model.embed_tokens.weight"  # [vocab, hidden] in the checkpoint and in the portable graph
-LM_HEAD_T = "val_36"  # the portable llama graph's lm_head, stored transposed [hidden, vocab]
+# The portable llama graph's lm_head, stored transposed [hidden, vocab] under a name the exporter
+# picks (it changes with the graph), so poison_artifact finds it by shape.
+LM_HEAD_T = "lm_head, transposed"
 
 
 def greedy_cfg(n: int, **kw) -> GenerationConfig:
@@ -51,7 +53,11 @@ def poison_artifact(art: Path, initializer: str, index, value: float) -> None:
     manifest = json.loads((art / "manifest.json").read_text())
     graph = manifest["graphs"][0]["file"]
     model = onnx.load(str(art / graph), load_external_data=False)
-    init = next(i for i in model.graph.initializer if i.name == initializer)
+    if initializer == LM_HEAD_T:
+        shape = [manifest["model"]["hidden_size"], manifest["model"]["vocab_size"]]
+        (init,) = [i for i in model.graph.initializer if list(i.dims) == shape]
+    else:
+        init = next(i for i in model.graph.initializer if i.name == initializer)
     info = {e.key: e.value for e in init.external_data}
     assert init.data_type == onnx.TensorProto.FLOAT
     data = art / info["location"]

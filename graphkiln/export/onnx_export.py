@@ -164,3 +164,47 @@ def _trace(model: DecoderForExport, opset: int):
             "report this with the checkpoint's config.json"
         ) from exc
     return program
+
+
+NEXT_TOKEN = TensorSpec("next_token", "int64", ("batch", "n_logits"), "next_token")
+
+
+def add_next_token(out_dir: Path, graph: GraphSpec) -> GraphSpec:
+    """Fold the greedy sampler into the graph: a trailing output ``next_token`` int64
+    [batch, n_logits], the argmax of each logits row (the first maximum, as numpy's argmax),
+    or -1 where the row has a NaN, or its maximum is +Inf or -Inf (no usable distribution:
+    the runtime then raises the same error as when it checks the logits itself). A runtime
+    whose rows are all greedy without log-probabilities fetches only this output, so no
+    logits cross into Python. Rewrites ``out_dir / graph.file`` (nodes and outputs only; the
+    data file is not touched) and returns its spec."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    logits = next((t.name for t in graph.outputs if t.role == "logits"), None)
+    if logits is None or any(t.role == NEXT_TOKEN.role for t in graph.outputs):
+        return graph  # a graph without logits (a pipeline stage before the last), or already folded
+    path = out_dir / graph.file
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    p = "next_token."  # node and value names of this tail
+    axes = helper.make_tensor(p + "axes", TensorProto.INT64, [1], [-1])
+    g.initializer.append(axes)
+    nodes = [
+        helper.make_node("ArgMax", [logits], [p + "argmax"], name=p + "argmax", axis=-1, keepdims=0, select_last_index=0),
+        helper.make_node("ReduceMax", [logits, p + "axes"], [p + "max"], name=p + "max", keepdims=0),
+        helper.make_node("IsInf", [p + "max"], [p + "max_inf"], name=p + "max_inf"),
+        helper.make_node("IsNaN", [logits], [p + "nan"], name=p + "nan"),
+        helper.make_node("Cast", [p + "nan"], [p + "nan_f"], name=p + "nan_f", to=TensorProto.FLOAT),
+        helper.make_node("ReduceMax", [p + "nan_f", p + "axes"], [p + "any_nan_f"], name=p + "any_nan_f", keepdims=0),
+        helper.make_node("Cast", [p + "any_nan_f"], [p + "any_nan"], name=p + "any_nan", to=TensorProto.BOOL),
+        helper.make_node("Or", [p + "max_inf", p + "any_nan"], [p + "bad"], name=p + "bad"),
+        helper.make_node("Constant", [], [p + "minus_one"], name=p + "minus_one",
+                         value=helper.make_tensor(p + "minus_one_value", TensorProto.INT64, [], [-1])),
+        helper.make_node("Where", [p + "bad", p + "minus_one", p + "argmax"], [NEXT_TOKEN.name], name=p + "where"),
+    ]
+    g.node.extend(nodes)
+    g.output.append(helper.make_tensor_value_info(NEXT_TOKEN.name, TensorProto.INT64, list(NEXT_TOKEN.shape)))
+    onnx.save(model, str(path))
+    import dataclasses
+
+    return dataclasses.replace(graph, outputs=(*graph.outputs, NEXT_TOKEN))

@@ -53,10 +53,12 @@ _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(bool)": "bool"}
 
 
-def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None):
+def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None, spinning: bool = True):
     """An onnxruntime CPU session over graph ``spec`` (``threads`` intra-op threads, default every
     core); a graph onnxruntime cannot load is one GraphkilnError line, and its inputs and outputs
-    are checked against the manifest (``check_io``)."""
+    are checked against the manifest (``check_io``). ``spinning`` False: the intra-op threads
+    sleep once a run ends instead of spinning (sessions that run one after another, such as
+    pipeline stages, would otherwise take each other's cores)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -64,6 +66,8 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None)
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:
@@ -123,27 +127,33 @@ class DecoderGraph:
                         if t.role in ("present_key", "present_value")}
         # conv layers whose new_conv_state is the whole pool, bound to the conv_state buffer
         self.pool_outputs = {t.layer: t.name for t in spec.outputs if is_pool_output(t)}
-        self._bound: tuple | None = None  # (key, IOBinding, KV OrtValues) for in-place graphs; see _binding
-        self._buffers: dict[str, np.ndarray] = {}  # reused output buffers of in-place graphs, by output name
-        self._inputs: dict[str, tuple] = {}  # input name -> (array, OrtValue over it) bound in _bound
-        self._outputs_bound: set[str] = set()  # outputs bound to their _buffers entry in _bound
-        # the outputs an in-place graph returns into those buffers: all but present_*
+        # in-place graphs: IOBindings by (batch, first slot, pool, pool generation, tokens only), a
+        # few kept (a scheduler alternates a decode range and a prefill range); see _binding
+        self._bindings: dict[tuple, _Bound] = {}
+        # the outputs an in-place graph returns into its own buffers: all but present_*
         self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
                           if t.role not in ("present_key", "present_value") and not is_pool_output(t)]
         # Per-step loops cover only what needs work (a decode step's Python runs with cold caches).
         self._conv_inputs = [(layer, name) for role, layer, name in self.states
                              if role == "conv_state" and layer not in self.pool_outputs]
         self._logits_at = next(i for i, t in enumerate(spec.outputs) if t.role == "logits")
+        # the folded greedy sampler: argmax per logits row, -1 for a row with NaN/+Inf or no finite value
+        self._next_token_at = next((i for i, t in enumerate(spec.outputs) if t.role == "next_token"), None)
+        self.has_next_token = self._next_token_at is not None
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
                             if t.role in ("new_key", "new_value", "new_conv_state") and not is_pool_output(t)]
 
     def run(self, pool: StatePool, input_ids: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray,
             vision: tuple[np.ndarray, np.ndarray] | None = None,
-            extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """One forward over the live slots 0..n-1 (n = len(input_ids)); returns logits [n, n_logits, vocab].
+            extra: dict[str, np.ndarray] | None = None, first_slot: int = 0,
+            tokens_only: bool = False) -> np.ndarray:
+        """One forward over the live slots first_slot..first_slot+n-1 (n = len(input_ids)); returns
+        logits [n, n_logits, vocab], or with ``tokens_only`` (graphs with a ``next_token`` output,
+        ``has_next_token``) the argmax token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no
+        finite logit) and no logits are copied out of the graph.
 
-        Row b is slot b and holds ``lengths[b]`` real tokens starting at position
+        Row b is slot first_slot + b and holds ``lengths[b]`` real tokens starting at position
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
         ``vision`` = (embeddings [rows, hidden], flat token-row indices [rows]) for a
         vision-language decoder (the seam, models.decoder); None passes zero rows.
@@ -153,7 +163,9 @@ class DecoderGraph:
         (copy what must outlive it).
         """
         n = input_ids.shape[0]
-        slot_idx = np.arange(n, dtype=np.int64)
+        if tokens_only and not self.has_next_token:
+            raise RuntimeError("tokens_only on a graph without a next_token output")
+        slot_idx = np.arange(first_slot, first_slot + n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
         if "total_sequence_length" in self.names:  # artifacts exported before it was an input lack it
@@ -166,13 +178,17 @@ class DecoderGraph:
             if given[role] is None:
                 given[role] = pack((role,), [None] * n, position_ids[:, 0], input_ids.shape[1])[role]
         if self.present or self.pool_outputs:
-            outs = self._run_bound(pool, n, given, {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
+            outs = self._run_bound(pool, n, first_slot, tokens_only, given,
+                                   {"batch": n, "seq": input_ids.shape[1], "n_logits": logits_index.shape[1]})
         else:
             feeds = {name: given[role] for role, name in self.names.items()}
-            keys, values = pool.kv_views(n)
+            keys, values = pool.kv_views(n, first_slot)
             for role, layer, name in self.states:
                 feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
-            outs = self.session.run(self.outputs, feeds)
+            skip = self._logits_at if tokens_only else self._next_token_at
+            names = [name for i, name in enumerate(self.outputs) if i != skip]
+            fetched = iter(self.session.run(names, feeds))
+            outs = [None if i == skip else next(fetched) for i in range(len(self.outputs))]
         new: dict[int, dict[str, np.ndarray]] = {}
         for i, role, layer in self._state_rows:
             new.setdefault(layer, {})[role] = outs[i]
@@ -180,66 +196,60 @@ class DecoderGraph:
             if "new_conv_state" in rows:
                 pool.write_conv(layer, rows["new_conv_state"], slot_idx)
             else:
-                pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths)
-        return outs[self._logits_at]
+                pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths, first_slot)
+        return outs[self._next_token_at if tokens_only else self._logits_at]
 
-    def _run_bound(self, pool: StatePool, n: int, given: dict[str, np.ndarray], dims: dict[str, int]) -> list:
+    def _run_bound(self, pool: StatePool, n: int, first: int, tokens_only: bool, given: dict[str, np.ndarray],
+                   dims: dict[str, int]) -> list:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output
         (and each in-place conv pool as both conv_state input and new_conv_state output).
 
-        Inputs and the other outputs live in arrays this object owns, bound once and rewritten
+        Inputs and the other outputs live in arrays the binding owns, bound once and rewritten
         in place while their shapes stay the same (every decode step of a batch): a step then
         costs a few small copies instead of a fresh binding. Returns the outputs in spec order,
-        with None for the present_* and in-place new_conv_state ones (they are the pool).
+        with None for the present_* and in-place new_conv_state ones (they are the pool) and for
+        the logits (``tokens_only``: not bound, so onnxruntime keeps them) or the next_token.
         """
-        binding = self._binding(pool, n)
+        bound = self._binding(pool, n, first, tokens_only)
+        binding = bound.binding
         for role, name in self.names.items():
-            self._feed(binding, name, given[role])
+            bound.feed(name, given[role])
         for layer, name in self._conv_inputs:  # rebound each step: cheap, and never a stale copy
             binding.bind_cpu_input(name, pool.conv[layer])
+        skip = self._logits_at if tokens_only else self._next_token_at
         outs: list = [None] * len(self.new)
         for i, name, spec_shape, dtype in self._returned:
+            if i == skip:
+                continue
             shape = tuple(dims[d] if isinstance(d, str) else d for d in spec_shape)
-            buf = self._buffers.get(name)
+            buf = bound.buffers.get(name)
             if buf is None or buf.shape != shape:
-                buf = self._buffers[name] = np.empty(shape, dtype)
-                self._outputs_bound.discard(name)
-            if name not in self._outputs_bound:
+                buf = bound.buffers[name] = np.empty(shape, dtype)
                 binding.bind_output(name, "cpu", 0, dtype, list(shape), buf.ctypes.data)
-                self._outputs_bound.add(name)
             outs[i] = buf
         self.session.run_with_iobinding(binding)
         return outs
 
-    def _feed(self, binding, name: str, value: np.ndarray) -> None:
-        """Bind ``value`` to input ``name`` through an array kept for it: copied into when the
-        shape is unchanged (the binding already points there), else replaced and rebound."""
-        import onnxruntime as ort
+    def _binding(self, pool: StatePool, n: int, first: int, tokens_only: bool) -> "_Bound":
+        """The IOBinding for slots first..first+n-1 over the pool's current buffers, built when
+        none is kept for them (the last few are kept: a scheduler's decode and prefill ranges).
 
-        held = self._inputs.get(name)
-        if held is not None and held[0].shape == value.shape:
-            np.copyto(held[0], value)
-            return
-        buf = np.array(value, copy=True, order="C")
-        value_ort = ort.OrtValue.ortvalue_from_numpy(buf)  # wraps buf's memory
-        binding.bind_ortvalue_input(name, value_ort)
-        self._inputs[name] = (buf, value_ort)
-
-    def _binding(self, pool: StatePool, n: int):
-        """The IOBinding for batch n over the pool's current buffers, rebuilt when either changes.
-
-        The KV OrtValues wrap the pool's arrays without copying (CPU), so a cached binding stays
+        The KV OrtValues wrap the pool's arrays without copying (CPU), so a kept binding stays
         valid as long as ``reserve`` has not replaced the buffers (tracked by ``pool.generation``).
-        A new binding has no other inputs or outputs bound: ``_inputs``/``_outputs_bound`` reset.
         """
         import onnxruntime as ort
 
-        key = (n, id(pool), pool.generation)  # another pool (generations start alike) is another binding
-        if self._bound is not None and self._bound[0] == key:
-            return self._bound[1]
+        key = (n, first, id(pool), pool.generation, tokens_only)  # another pool (generations start alike) is another binding
+        bound = self._bindings.pop(key, None)
+        if bound is not None:
+            self._bindings[key] = bound  # most recently used last
+            return bound
+        if any(k[2:4] != key[2:4] for k in self._bindings):
+            self._bindings.clear()  # bindings over replaced buffers are never valid again
+        while len(self._bindings) >= _KEPT_BINDINGS:
+            del self._bindings[next(iter(self._bindings))]
         binding = self.session.io_binding()
-        self._inputs, self._outputs_bound = {}, set()
-        keys, values = pool.kv_views(n)
+        keys, values = pool.kv_views(n, first)
         kv_values = {}
         for role, layer, name in self.states:
             if role in ("past_key", "past_value"):
@@ -254,5 +264,33 @@ class DecoderGraph:
                 kv_values[(role, layer)] = ort.OrtValue.ortvalue_from_numpy(pool.conv[layer])
                 binding.bind_ortvalue_input(name, kv_values[(role, layer)])
                 binding.bind_ortvalue_output(self.pool_outputs[layer], kv_values[(role, layer)])
-        self._bound = (key, binding, kv_values)  # the OrtValues must outlive the binding's use
-        return binding
+        bound = self._bindings[key] = _Bound(binding, kv_values)
+        return bound
+
+
+_KEPT_BINDINGS = 4
+
+
+class _Bound:
+    """One IOBinding and what must outlive it: the state OrtValues, and the input and output
+    arrays bound to it (rewritten in place while their shapes stay)."""
+
+    def __init__(self, binding, kv_values: dict) -> None:
+        self.binding = binding
+        self.kv_values = kv_values
+        self.inputs: dict[str, tuple] = {}  # input name -> (array, OrtValue over it)
+        self.buffers: dict[str, np.ndarray] = {}  # output name -> array bound as that output
+
+    def feed(self, name: str, value: np.ndarray) -> None:
+        """Bind ``value`` to input ``name`` through an array kept for it: copied into when the
+        shape is unchanged (the binding already points there), else replaced and rebound."""
+        import onnxruntime as ort
+
+        held = self.inputs.get(name)
+        if held is not None and held[0].shape == value.shape:
+            np.copyto(held[0], value)
+            return
+        buf = np.array(value, copy=True, order="C")
+        value_ort = ort.OrtValue.ortvalue_from_numpy(buf)  # wraps buf's memory
+        self.binding.bind_ortvalue_input(name, value_ort)
+        self.inputs[name] = (buf, value_ort)

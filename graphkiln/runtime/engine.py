@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,10 +19,12 @@ from graphkiln.manifest import Manifest
 from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.decoder import numpy_dtype
 from graphkiln.runtime.prompt_layout import PromptLayout, needed_roles, pack
-from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
-from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, log_softmax, select_token, top_logprobs
+from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, _is_int
+from graphkiln.runtime.sampling import SamplingParams
+from graphkiln.runtime.scheduler import NonFiniteLogitsError  # noqa: F401  (raised by generate/stream: importable here)
+from graphkiln.runtime.scheduler import _Batch, _Request, make_request, result_of
 from graphkiln.runtime.state import PAD_ID
-from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from graphkiln.runtime.tokenizer import Tokenizer
 from graphkiln.runtime.vision import (DEFAULT_CACHE_BYTES, ImageInput, VisionEncoder, check_placeholder_count,
                                       expand_placeholders)
 
@@ -29,43 +32,6 @@ KNOWN_STATE_KINDS = {"kv", "conv"}
 Prompt = str | Sequence[int]
 ImageSource = object  # one image as a request gives it: a path, an image file's bytes, a PIL image or a uint8 array
 BUSY = "this Engine is already generating: use one Engine per concurrent caller"
-
-
-class NonFiniteLogitsError(GraphkilnError):
-    """The model produced NaN/Inf logits for ``request`` when choosing its ``step``-th token
-    (1-based); a broken artifact, never a sampling setting."""
-
-    def __init__(self, request: int, step: int) -> None:
-        super().__init__(f"the model produced NaN/Inf logits at step {step} of request {request}: the artifact's "
-                         "weights are broken; re-export (graphkiln verify shows where)")
-        self.request, self.step = request, step
-
-
-@dataclass
-class _Request:
-    """Mutable per-request state for one generate call; ``slot`` is its state-pool slot
-    (also its batch row) while it runs, None before it starts and after it is released."""
-
-    index: int
-    prompt_ids: list[int]
-    budget: int
-    rng: np.random.Generator
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""  # decoded so far; complete characters only until the request finishes
-    detokenizer: IncrementalDetokenizer | None = None
-    emitted: int = 0  # characters of text already streamed
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    logits: list[np.ndarray] = field(default_factory=list)
-    slot: int | None = None
-    images: list[ImageInput] = field(default_factory=list)  # in prompt order; dropped once encoded
-    image_positions: np.ndarray | None = None  # prompt position of each image embedding row, in order
-    image_rows: np.ndarray | None = None  # [len(image_positions), hidden], once encoded
-    layout: PromptLayout | None = None  # per-token extras (M-RoPE positions, image lookahead); None: plain text
-
-    @property
-    def position(self) -> int:
-        return len(self.prompt_ids) + len(self.tokens)
 
 
 class Engine:
@@ -77,7 +43,10 @@ class Engine:
     "this Engine is already generating" at once instead of waiting (waiting would deadlock a
     thread that holds an open stream, and would hide that calls are being serialized). The
     guard is a lock taken without blocking before any work, so it is atomic. Concurrent
-    callers should each load their own Engine; engines share nothing.
+    callers should each load their own Engine (engines share nothing), or share one through a
+    ``runtime.scheduler.Scheduler``, which holds the engine and batches their requests
+    continuously; ``generate`` and ``stream`` run the same step (``scheduler._Batch``) over one
+    call's prompts in the caller's thread.
 
     Vision-language artifacts (``manifest.vision``): ``generate``, ``stream`` and
     ``prompt_logits`` take ``images=``, per prompt a sequence of images (path, bytes, PIL image or
@@ -273,7 +242,7 @@ class Engine:
             check_placeholder_count(ids, vision.image_token_id, len(sources), prompt=i, token_text=text)
             loaded = [self.vision.load(src, f"image {j} of prompt {i}") for j, src in enumerate(sources)]
             ids, positions = expand_placeholders(ids, vision.image_token_id, [im.tokens for im in loaded], prompt=i,
-                                                 token_text=text)
+                                                 token_text=text, rule=vision.placeholder)
             self._check_length(ids, loaded)
             out.append((ids, loaded, positions))
         return out
@@ -347,25 +316,10 @@ class Engine:
         """Generate for one prompt or a batch; ``images``: per prompt a list of images or None
         (for a single prompt, its list of images or one image). ``prompt_ids`` of each result are
         the ids the model saw (image tokens expanded)."""
-        single = _is_single(prompts)
-        prompts = self._as_batch(prompts)
-        results: list[GenerationResult] = []
         reqs: list[_Request] = []
-        for event in self._run(prompts, config, reqs, images, single):
+        for _ in self._run(self._as_batch(prompts), config, reqs, images, _is_single(prompts)):
             pass
-        for r in reqs:
-            c = config or GenerationConfig()
-            results.append(
-                GenerationResult(
-                    prompt_ids=r.prompt_ids,
-                    token_ids=r.tokens,
-                    text=r.text if self.tokenizer else None,
-                    finish_reason=r.finish_reason,
-                    logprobs=r.logprobs if c.logprobs is not None else None,
-                    logits=np.stack(r.logits) if r.logits else None,
-                )
-            )
-        return results
+        return [result_of(r) for r in reqs]
 
     def stream(self, prompts: Prompt | Sequence[Prompt], config: GenerationConfig | None = None, *,
                images=None) -> Iterator[TokenEvent]:
@@ -448,17 +402,17 @@ class Engine:
 
     def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
                single: bool = False) -> Iterator[TokenEvent]:
+        """One call's prompts as a batch of the scheduler's step (``runtime.scheduler._Batch``):
+        all admitted at the first step (one batched prefill of whole prompts, no token budget),
+        then decoded together, each leaving as it finishes. A request's error (NaN logits) is
+        raised at the step that meets it, before that step's events."""
         if not prompts:
             if images is not None:
                 self._per_prompt_images(images, 0, False)  # images without prompts: refused as a mismatch
             return
         cfg, params = self._resolve(config)
         for i, (ids, loaded, image_positions) in enumerate(self._prepare(prompts, images, single)):
-            budget = min(cfg.max_new_tokens, self.max_seq_len - len(ids))
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-            reqs.append(_Request(i, ids, budget, np.random.default_rng((cfg.seed, i)), detokenizer=detok,
-                                 images=loaded, image_positions=image_positions,
-                                 layout=self._layout(ids, loaded, image_positions)))
+            reqs.append(make_request(self, i, ids, loaded, image_positions, cfg, params))
         active = [r for r in reqs if r.budget > 0]
         for r in reqs:
             if r.budget == 0:
@@ -468,72 +422,21 @@ class Engine:
         self._encode_images(active)  # before any slot is claimed: a failure holds nothing
         capacity = max(r.position + r.budget for r in active)
         self.pool.reserve(len(active), capacity)
-        by_slot: list[_Request] = []  # by_slot[s] is the request in slot s == batch row s
+        batch = _Batch(self, step_tokens=None, joinable=False)
+        waiting = deque(active)
         try:
-            for r in active:
-                r.slot = self.pool.claim()
-                by_slot.append(r)
-            last = np.array([[len(r.prompt_ids) - 1] for r in by_slot], np.int64)
-            logits = self._prefill(by_slot, last)[:, 0]
-            stop_ids = set(cfg.stop_token_ids)
-            while True:
-                events = [self._advance(r, logits[row], cfg, params, stop_ids) for row, r in enumerate(by_slot)]
-                for r in sorted((r for r in by_slot if r.finish_reason), key=lambda r: -r.slot):
-                    self._release(r, by_slot)
-                yield from events
-                if not by_slot:
-                    return
-                tokens = np.array([[r.tokens[-1]] for r in by_slot], np.int64)
-                positions = np.array([[r.position - 1] for r in by_slot], np.int64)
-                n = len(by_slot)
-                extra = self._extra(by_slot, positions[:, 0], 1)
-                logits = self.decoder.run(self.pool, tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64),
-                                          **({"extra": extra} if extra else {}))[:, 0]
+            while waiting or batch.rows:
+                stepped = batch.execute(batch.plan(waiting))
+                failed = next((r for r in stepped if r.error is not None), None)
+                if failed is not None:
+                    raise failed.error
+                batch.retire()
+                for r in stepped:
+                    events, r.events = r.events, []
+                    yield from events
         finally:
             # Failure or cancellation (the caller closed the stream): free what is still held.
-            for r in sorted(by_slot, key=lambda r: -r.slot):
-                self._release(r, by_slot)
-
-    def _release(self, r: _Request, by_slot: list[_Request]) -> None:
-        moved = self.pool.release(r.slot)
-        if moved is not None:
-            by_slot[r.slot] = by_slot[moved]
-            by_slot[r.slot].slot = r.slot
-        by_slot.pop()
-        r.slot = None
-
-    def _advance(self, r: _Request, logits: np.ndarray, cfg: GenerationConfig, params: SamplingParams,
-                 stop_ids: set[int]) -> TokenEvent:
-        """Choose request r's next token, update its text and stop state, describe it as an event."""
-        try:
-            token = select_token(logits, params, r.rng)
-        except NonFiniteLogits:
-            raise NonFiniteLogitsError(r.index, len(r.tokens) + 1) from None
-        r.tokens.append(token)
-        if cfg.output_logits:
-            r.logits.append(logits.copy())
-        lp = None
-        if cfg.logprobs is not None:
-            lps = log_softmax(logits)
-            lp = TokenLogprob(token, float(lps[token]), tuple(top_logprobs(lps, cfg.logprobs)))
-            r.logprobs.append(lp)
-        if token in stop_ids:
-            r.finish_reason = "stop"
-        elif len(r.tokens) >= r.budget:
-            r.finish_reason = "length"
-        if self.tokenizer is None:
-            return TokenEvent(r.index, token, "", lp, r.finish_reason)
-
-        text = r.text + r.detokenizer.step(r.tokens, final=r.finish_reason is not None)
-        for s in cfg.stop_strings:
-            at = text.find(s, max(0, len(r.text) - len(s)))
-            if at >= 0:
-                text, r.finish_reason = text[:at], "stop"
-        r.text = text
-        visible = text if r.finish_reason else text[: len(text) - _pending_stop(text, cfg.stop_strings)]
-        new_text = visible[r.emitted :] if len(visible) > r.emitted else ""
-        r.emitted = max(r.emitted, len(visible))
-        return TokenEvent(r.index, token, new_text, lp, r.finish_reason)
+            batch.release_all()
 
 
 def _is_single(prompts) -> bool:
@@ -554,14 +457,3 @@ def _known_custom_ops() -> set[tuple[str, str, int]]:
     from graphkiln.ops import specs  # torch-free
 
     return {(s.domain, s.name, s.version) for s in specs().values()}
-
-
-def _pending_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of text that could still grow into a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

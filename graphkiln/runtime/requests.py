@@ -76,6 +76,8 @@ class TokenEvent:
 
     ``text`` is the text this token made final (may be empty while a multi-byte character
     or a possible stop string is pending). ``finish_reason`` is set on a request's last event.
+    ``token_id`` is -1 (``runtime.scheduler.NO_TOKEN``) on an event that carries no token: the
+    last event of a request cancelled through the scheduler (finish_reason "cancelled").
     """
 
     request: int
@@ -90,6 +92,6 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
-    finish_reason: str | None = None  # "stop" (token or string), "length"
+    finish_reason: str | None = None  # "stop" (token or string), "length", "cancelled" (scheduler)
     logprobs: list[TokenLogprob] | None = None
     logits: np.ndarray | None = None  # [steps, vocab] when output_logits

@@ -16,6 +16,9 @@ finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
 release moves the last live slot's rows into the hole and reports the move, so the live
 batch is always the prefix ``[:live]`` of every buffer — a contiguous view at a fixed
 address, passed to the graph without copying, which is also what CUDA-graph replay needs.
+The scheduler (``runtime.scheduler``) also runs a sub-range ``[first, first+n)`` of the live
+slots (``kv_views(n, first)``), and releases with ``release_keeping_tail`` so that a request
+mid-prefill keeps the last slot; a failed request's slot is ``scrub``bed before release.
 """
 
 from __future__ import annotations
@@ -69,6 +72,26 @@ class PackedSlots:
             return None
         self._move_row(slot, last)
         return last
+
+    def release_keeping_tail(self, slot: int, tail: int = 0) -> list[tuple[int, int]]:
+        """Free ``slot`` while the last ``tail`` live slots stay the last ones (the scheduler's
+        request mid-prefill: ``runtime.scheduler``); returns the moves made, ``(old, new)`` slot
+        indices in order. ``tail`` 0 is ``release``. The slot must not be in the tail."""
+        if not 0 <= slot < self.live - tail:
+            raise RuntimeError(f"{type(self).__name__}.release of slot {slot} that is not live outside the last {tail}")
+        if tail == 0:
+            moved = self.release(slot)
+            return [] if moved is None else [(moved, slot)]
+        moves = []
+        hole = self.live - tail - 1  # the last slot before the tail
+        if slot != hole:
+            self._move_row(slot, hole)
+            moves.append((hole, slot))
+        for src in range(self.live - tail, self.live):  # the tail shifts down by one
+            self._move_row(src - 1, src)
+            moves.append((src, src - 1))
+        self.live -= 1
+        return moves
 
     def _clear_conv_row(self, slot: int) -> None:
         raise NotImplementedError
@@ -169,15 +192,26 @@ class StatePool(PackedSlots):
             for a in bufs.values():
                 a[dst] = a[src]
 
+    def scrub(self, slot: int) -> None:
+        """Zero every row of ``slot``. For a request that failed: its rows may hold NaN/Inf, and
+        the graphs read a slot's stale cache positions under a zero attention weight, where
+        0 x NaN is NaN; the reuse rule (``_carve``, ``claim``) needs stale rows finite."""
+        for bufs in (self.keys, self.values, self.conv):
+            for a in bufs.values():
+                a[slot] = 0
+
     # -- graph I/O ------------------------------------------------------------------------
 
-    def kv_views(self, n: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """The first n slots of every KV buffer: contiguous views, no copies."""
-        return {l: a[:n] for l, a in self.keys.items()}, {l: a[:n] for l, a in self.values.items()}
+    def kv_views(self, n: int, first: int = 0) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """Slots first..first+n-1 of every KV buffer: contiguous views, no copies."""
+        return ({l: a[first:first + n] for l, a in self.keys.items()},
+                {l: a[first:first + n] for l, a in self.values.items()})
 
-    def write_kv(self, layer: int, new_k: np.ndarray, new_v: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
-        """Store new rows: slot b's first lengths[b] tokens go to positions starts[b]..., in place."""
-        k, v = self.keys[layer], self.values[layer]
+    def write_kv(self, layer: int, new_k: np.ndarray, new_v: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                 first: int = 0) -> None:
+        """Store new rows: row b's first lengths[b] tokens go to slot first+b at positions
+        starts[b]..., in place."""
+        k, v = self.keys[layer][first:], self.values[layer][first:]
         n, seq = new_k.shape[0], new_k.shape[2]
         if seq == 1:
             rows = np.arange(n)

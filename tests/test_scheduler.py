@@ -1,0 +1,219 @@
+"""The continuous-batching scheduler (runtime.scheduler) and the folded greedy sampler.
+
+A request's tokens must not depend on what else runs: each request submitted while others
+decode, prefilled in chunks under a small token budget, equals the same request run alone
+(Engine.generate, itself held to transformers by test_generation / test_parity). Arrivals are
+staggered by events, not by sleeps, so the interleaving is the same on a slow machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime import Engine, GenerationConfig
+from graphkiln.runtime.scheduler import NO_TOKEN, QueueFull, Scheduler, ShuttingDown
+from graphkiln.runtime.state import PackedSlots
+from test_runtime_hardening import EMBED, poison_artifact
+
+
+def _greedy(n: int, **kw) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, do_sample=False, stop_token_ids=(), **kw)
+
+
+CASES = [("llama_gqa_bias", "onnxruntime"), ("qwen3_moe", "portable"), ("lfm2", "onnxruntime")]
+
+
+@pytest.mark.parametrize("name,target", CASES, ids=[f"{n}-{t}" for n, t in CASES])
+def test_concurrent_requests_equal_each_request_alone(tiny, name, target):
+    """Dense (GQA in-place cache), MoE and conv-hybrid: staggered arrivals into a running batch,
+    long prompts prefilled in chunks (budget 8 tokens a step, 3 slots, so requests also queue),
+    a greedy request with log-probabilities, a sampled one, and two cancellations (one running,
+    one queued). Every greedy request equals itself alone; the pool is empty afterwards."""
+    case = tiny(name, target)
+    engine = Engine.load(case.artifact)
+    prompts = case.prompts((30, 5, 19, 3, 41, 11, 7), salt=90)
+    cfgs = [_greedy(12)] * len(prompts)
+    cfgs[2] = _greedy(12, logprobs=2)
+    cfgs[5] = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.8, seed=7, stop_token_ids=())
+    alone = [engine.generate(p, c)[0] for p, c in zip(prompts, cfgs)]
+
+    sched = Scheduler(engine, max_batch=3, step_tokens=8)
+    sched.start()
+    try:
+        handles = []
+        for i, (p, c) in enumerate(zip(prompts, cfgs)):
+            handles.append(sched.submit(p, c))
+            if i in (0, 3):  # the next one arrives while this one decodes
+                it = handles[-1].events(timeout=30)
+                next(it), next(it)
+        running = sched.submit(prompts[4], _greedy(40))
+        queued = sched.submit(prompts[1], _greedy(40))
+        for i, ev in enumerate(running.events(timeout=30)):
+            if i == 2:
+                running.cancel()
+                queued.cancel()
+        results = [h.result(timeout=60) for h in handles]
+    finally:
+        sched.shutdown(30)
+
+    for r, a in zip(results, alone):
+        assert r.token_ids == a.token_ids and r.finish_reason == "length"
+    assert [lp.token_id for lp in results[2].logprobs] == alone[2].token_ids
+    np.testing.assert_allclose([lp.logprob for lp in results[2].logprobs], [lp.logprob for lp in alone[2].logprobs],
+                               atol=1e-4)
+    events = list(running.events())
+    assert events[-1].finish_reason == "cancelled" and events[-1].token_id == NO_TOKEN
+    got = [e.token_id for e in events[:-1]]
+    assert 3 <= len(got) < 40 and got == engine_alone(engine, prompts[4], len(got))
+    assert [(e.token_id, e.finish_reason) for e in queued.events()][-1] == (NO_TOKEN, "cancelled")
+    stats = sched.stats()
+    assert (stats.running, stats.queued, stats.free_slots, stats.total_slots) == (0, 0, 3, 3)
+    assert engine.pool.live == 0
+    assert [r.token_ids for r in engine.generate(prompts[:2], _greedy(12))] == [a.token_ids for a in alone[:2]]
+
+
+def engine_alone(engine, prompt, n):
+    return engine.generate(prompt, _greedy(n))[0].token_ids
+
+
+def test_submit_validates_at_once_and_the_queue_is_bounded(tiny):
+    case = tiny("llama_gqa_bias")
+    engine = Engine.load(case.artifact)
+    sched = Scheduler(engine, max_queue=2, max_batch=1, step_tokens=4)  # not started: nothing leaves the queue
+    with pytest.raises(GraphkilnError, match="already generating"):
+        engine.generate([1, 2, 3], _greedy(2))  # the scheduler holds the engine
+    for bad, needle in [([case.vocab_size], "outside the vocabulary"), ([], "empty"),
+                        (list(range(3, 3 + case.max_seq_len)), "maximum sequence length")]:
+        with pytest.raises(GraphkilnError, match=needle):
+            sched.submit(bad)
+    with pytest.raises(GraphkilnError, match="text-only model"):
+        sched.submit([5, 6], images=[np.zeros((8, 8, 3), np.uint8)])
+    with pytest.raises(GraphkilnError, match="temperature"):
+        sched.submit([5, 6], GenerationConfig(temperature=-1.0))
+    first, second = sched.submit([5, 6], _greedy(3)), sched.submit([7, 8], _greedy(3))
+    with pytest.raises(QueueFull, match="queue is full"):
+        sched.submit([9], _greedy(3))
+    sched.shutdown(0)
+    with pytest.raises(ShuttingDown):
+        sched.submit([9], _greedy(3))
+    assert [e.finish_reason for e in first.events()] == ["cancelled"]
+    assert second.result().finish_reason == "cancelled"
+    assert engine.generate([5, 6], _greedy(3))[0].token_ids  # the engine is free again
+    with pytest.raises(GraphkilnError, match="step_tokens"):
+        Scheduler(engine, max_batch=8, step_tokens=8)
+
+
+def test_a_failing_request_fails_alone(tiny, artifact_copy):
+    """A request whose prompt holds a token with a NaN embedding fails with the NaN error; the
+    requests running beside it finish with their own tokens and every slot is freed."""
+    case = tiny("llama_gqa_bias")
+    good = case.prompts((6, 9), salt=91)
+    clean = Engine.load(case.artifact).generate(good, _greedy(10))
+    seen = {t for p, r in zip(good, clean) for t in p + r.token_ids}
+    bad_token = next(t for t in range(3, case.vocab_size) if t not in seen)
+    art = artifact_copy(case)
+    poison_artifact(art, EMBED, bad_token, np.nan)
+    engine = Engine.load(art)
+    sched = Scheduler(engine, max_batch=3, step_tokens=16)
+    sched.start()
+    try:
+        first = sched.submit(good[0], _greedy(10))
+        next(first.events(timeout=30))
+        broken = sched.submit([4, bad_token, 5], _greedy(10))
+        second = sched.submit(good[1], _greedy(10))
+        with pytest.raises(GraphkilnError, match="NaN/Inf logits at step 1"):
+            broken.result(timeout=30)
+        with pytest.raises(GraphkilnError, match="NaN/Inf"):
+            list(broken.events())
+        assert [first.result(timeout=30).token_ids, second.result(timeout=30).token_ids] == \
+            [r.token_ids for r in clean]
+    finally:
+        sched.shutdown(10)
+    assert engine.pool.live == 0
+
+
+def test_async_events_and_shutdown_drains(tiny):
+    case = tiny("llama_gqa_bias")
+    engine = Engine.load(case.artifact)
+    prompts = case.prompts((7, 12, 4), salt=92)
+    alone = [engine_alone(engine, p, 9) for p in prompts]
+    sched = Scheduler(engine, max_batch=2, step_tokens=8)
+    sched.start()
+
+    async def consume():
+        handles = [sched.submit(p, _greedy(9)) for p in prompts]
+        return await asyncio.gather(*[_collect(h) for h in handles])
+
+    async def _collect(h):
+        return [e.token_id async for e in h.aevents()]
+
+    assert asyncio.run(consume()) == alone
+    late = [sched.submit(p, _greedy(9)) for p in prompts]
+    sched.shutdown(60)  # drains: every request ends by itself, none is cancelled
+    assert [h.result(timeout=0).token_ids for h in late] == alone
+    assert sched.stats().generated_tokens == 2 * 27 and engine.pool.live == 0
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_folded_argmax_equals_the_logits_argmax(tiny, target):
+    """The graph's next_token is the first argmax of each logits row (several batch shapes and
+    logits positions), and the runtime asks for it exactly when every row is greedy without
+    log-probabilities or logits."""
+    case = tiny("llama_gqa_bias", target)
+    engine = Engine.load(case.artifact)
+    assert engine.decoder.has_next_token
+    rng = np.random.default_rng(93)
+    for batch, seq, n_logits in [(1, 5, 1), (3, 4, 2), (2, 1, 1)]:
+        ids = rng.integers(3, case.vocab_size, (batch, seq))
+        pos = np.tile(np.arange(seq), (batch, 1))
+        index = np.sort(rng.integers(0, seq, (batch, n_logits)), axis=1)
+        engine.pool.reserve(batch, 16)
+        slots = [engine.pool.claim() for _ in range(batch)]
+        logits = engine.decoder.run(engine.pool, ids, pos, index, np.full(batch, seq)).copy()
+        tokens = engine.decoder.run(engine.pool, ids, pos, index, np.full(batch, seq), tokens_only=True)
+        for s in reversed(slots):
+            engine.pool.release(s)
+        assert tokens.dtype == np.int64 and tokens.shape == (batch, n_logits)
+        np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+    calls = []
+    run = engine.decoder.run
+
+    def spy(*args, **kw):
+        calls.append(kw.get("tokens_only", False))
+        return run(*args, **kw)
+
+    engine.decoder.run = spy
+    p = case.prompts((6,), salt=94)[0]
+    folded = engine.generate(p, _greedy(5))[0].token_ids
+    assert calls == [True] * 5
+    calls.clear()
+    assert engine.generate(p, _greedy(5, logprobs=1))[0].token_ids == folded
+    assert calls == [False] * 5
+
+
+def test_release_keeping_tail_keeps_the_last_slots_last():
+    class Rows(PackedSlots):
+        def __init__(self, n):
+            self.slots, self.live, self.rows = n, 0, [None] * n
+
+        def _clear_conv_row(self, slot):
+            pass
+
+        def _move_row(self, dst, src):
+            self.rows[dst] = self.rows[src]
+
+    pool = Rows(5)
+    for name in "abcde":
+        pool.rows[pool.claim()] = name
+    assert pool.release_keeping_tail(1, tail=1) == [(3, 1), (4, 3)]
+    assert pool.rows[: pool.live] == list("adce")
+    assert pool.release_keeping_tail(2, tail=1) == [(3, 2)]
+    assert pool.rows[: pool.live] == list("ade")
+    assert pool.release_keeping_tail(0, tail=0) == [(2, 0)]
+    with pytest.raises(RuntimeError):
+        pool.release_keeping_tail(1, tail=1)  # the tail itself
