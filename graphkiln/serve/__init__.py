@@ -1,0 +1,10 @@
+"""``graphkiln serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the scheduler.
+
+    app.py      routes, error bodies, streaming; ``create_app(scheduler, engine, AppOptions)``
+    schemas.py  request/response models in OpenAI's shapes (strict: requests are untrusted)
+    chat.py     the artifact's chat template, rendered in jinja2's sandbox
+    metrics.py  Prometheus metrics, one registry per app
+    server.py   socket, uvicorn, graceful drain; ``serve(ServeConfig)`` is the CLI's entry
+
+Needs the ``serve`` dependencies (fastapi, uvicorn, prometheus_client, jinja2), imported only here.
+"""

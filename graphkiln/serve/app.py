@@ -1,0 +1,444 @@
+"""The FastAPI app: OpenAI-compatible routes over a running ``Scheduler``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
+events or not), ``GET /v1/models``, ``GET /health`` (never needs the API key; 503 while draining),
+``GET /metrics`` (Prometheus text). Every error is OpenAI's body
+``{"error": {"message", "type", "param", "code"}}`` with one line of message: 400 for anything
+the request got wrong (malformed JSON, unknown field or model, ill-typed or out-of-range value,
+prompt too long), 401 without the API key, 413 for a body over ``max_body_bytes``, 429 with
+``Retry-After`` when the scheduler's queue is full, 503 while shutting down, 500 when generation
+itself failed (that request only: the others keep running).
+
+Lifecycle of a generation request: parse and validate the body -> submit to the scheduler (in a
+worker thread: tokenization never blocks the event loop) -> a watcher task waits for the client's
+``http.disconnect`` and cancels the request (its slot is freed at the scheduler's next step) ->
+events are read with ``RequestHandle.aevents()`` -> on every exit path (done, failed, client gone)
+the handle is cancelled (idempotent) and the watcher stopped. The app never starts or stops the
+scheduler: ``graphkiln.serve.server`` owns both lifecycles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.requests import GenerationConfig, TokenEvent
+from graphkiln.serve import schemas as S
+from graphkiln.serve.chat import ChatTemplate, ChatTemplateError
+from graphkiln.serve.metrics import ServerMetrics
+
+log = logging.getLogger("graphkiln.serve")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 1  # a full queue drains in about one request's time; clients back off from there
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape; ``message`` is one line."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = S.ErrorBody(error=S.ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class ServerState:
+    """What the routes share. ``draining`` turns on when shutdown begins (new requests: 503)."""
+
+    def __init__(self, scheduler, engine, options: AppOptions) -> None:
+        self.scheduler, self.engine, self.options = scheduler, engine, options
+        self.metrics = ServerMetrics(scheduler.stats)
+        self.chat = ChatTemplate.load(engine.artifact_dir, tuple(engine.manifest.tokenizer_files))
+        self.created = int(time.time())
+        self.draining = False
+
+
+def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
+    """The app for one model. ``scheduler`` must be started before requests arrive."""
+    state = ServerState(scheduler, engine, options)
+    app = FastAPI(title="graphkiln", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.graphkiln = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        if exc.status < 500:
+            state.metrics.rejected.labels(str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return ApiError(500, f"internal error ({type(exc).__name__}); see the server log", "server_error").response()
+
+    def authorize(request: Request) -> None:
+        key = options.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    api = APIRouter(dependencies=[Depends(authorize)])
+
+    @api.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models():
+        card = S.ModelCard(id=options.model_name, created=state.created, max_model_len=engine.max_seq_len)
+        return S.ModelList(data=[card]).model_dump()
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        arrived = time.perf_counter()
+        req = _parse(S.CompletionRequest, await _read_body(request, options.max_body_bytes))
+        _check_model(req.model, options.model_name)
+        config = _config(req, req.max_tokens, req.logprobs)
+        handle = await _submit(state, req.single_prompt, config)
+        return await _respond(request, state, handle, arrived, _CompletionShape(req, options.model_name, engine))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrived = time.perf_counter()
+        req = _parse(S.ChatCompletionRequest, await _read_body(request, options.max_body_bytes))
+        _check_model(req.model, options.model_name)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        messages = [m.for_template() for m in req.messages]
+        try:
+            ids = await asyncio.to_thread(state.chat.encode, messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages", code="chat_template") from None
+        handle = await _submit(state, ids, config)
+        return await _respond(request, state, handle, arrived, _ChatShape(req, options.model_name, engine))
+
+    app.include_router(api)
+    return app
+
+
+# -- request handling ---------------------------------------------------------------------
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit: send a shorter prompt",
+                       code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the {limit}-byte limit: send a shorter prompt",
+                           code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON ({_clip(first.get('ctx', {}).get('error', ''))}): "
+                             "send one JSON object", code="invalid_json")
+    if first["type"] == "model_type":
+        return ApiError(400, "request body must be a JSON object", code="invalid_json")
+    # union members add their type names to the location: keep field names and list indices
+    path = [p for p in first["loc"] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
+    param = ".".join(map(str, path)) or None
+    top = path[0] if path else None
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field '{param}': graphkiln serve does not support it; leave it out",
+                        param=param, code="unknown_field")
+    if first["type"] == "missing":
+        return ApiError(400, f"'{param}' is required", param=param, code="missing_field")
+    # one field failing every member of a union gives one error per member: name them together
+    msgs = list(dict.fromkeys(_clip(e["msg"]) for e in errors if e["loc"][:1] == (top,)))[:3]
+    return ApiError(400, f"invalid '{param}': {'; or '.join(msgs)}", param=param, code="invalid_value")
+
+
+def _clip(text: str, n: int = 200) -> str:
+    return " ".join(str(text).split())[:n]
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise ApiError(400, f"model '{_clip(name, 80)}' is not served here: use '{served}' (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationConfig:
+    """OpenAI's parameters as a GenerationConfig. Temperature 0 is greedy; any sampling field asks
+    for sampling; none leaves the artifact's defaults. Without a seed each request gets a random
+    one (OpenAI's behaviour: unseeded requests differ)."""
+    sampling = (req.temperature is not None and req.temperature > 0) or (
+        req.temperature is None and (req.top_p is not None or req.top_k is not None))
+    try:
+        return GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=True if sampling else (False if req.temperature == 0 else None),
+            temperature=req.temperature if sampling else None, top_p=req.top_p, top_k=req.top_k,
+            seed=req.seed if req.seed is not None else secrets.randbits(63), stop_strings=req.stop_strings,
+            logprobs=logprobs, stop_token_ids=() if req.ignore_eos else None)
+    except GraphkilnError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _submit(state: ServerState, prompt, config: GenerationConfig):
+    from graphkiln.runtime.scheduler import QueueFull, ShuttingDown
+
+    if state.draining:
+        raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
+                       code="shutting_down")
+    try:
+        return await asyncio.to_thread(state.scheduler.submit, prompt, config)
+    except QueueFull as exc:
+        raise ApiError(429, f"{exc}", "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
+                       code="shutting_down") from None
+    except GraphkilnError as exc:  # prompt too long, ids outside the vocabulary, ...
+        raise ApiError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+
+
+async def _cancel_on_disconnect(request: Request, handle) -> None:
+    """Cancel ``handle`` once the client has gone (the body is already read, so the next ASGI
+    message is ``http.disconnect``); cancelled by the route when the response is complete."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+async def _tracked(state: ServerState, handle, arrived: float) -> AsyncIterator[TokenEvent]:
+    """The request's events, observing time to first token, inter-token latency and the finish."""
+    metrics, last, reason = state.metrics, None, "cancelled"
+    try:
+        async for ev in handle.aevents():
+            if ev.token_id >= 0:  # a cancellation's last event carries no token
+                now = time.perf_counter()
+                (metrics.ttft if last is None else metrics.itl).observe(now - (arrived if last is None else last))
+                last = now
+            if ev.finish_reason is not None:
+                reason = ev.finish_reason
+            yield ev
+    except GraphkilnError:
+        reason = "error"
+        raise
+    finally:
+        metrics.finished.labels(reason).inc()
+
+
+async def _respond(request: Request, state: ServerState, handle, arrived: float, shape: "_Shape"):
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, handle))
+    if shape.req.stream:
+        return StreamingResponse(_sse(state, handle, arrived, shape, watcher), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _whole(state, handle, arrived, shape, watcher)
+
+
+async def _whole(state, handle, arrived, shape: "_Shape", watcher) -> JSONResponse:
+    events: list[TokenEvent] = []
+    try:
+        async for ev in _tracked(state, handle, arrived):
+            events.append(ev)
+    except GraphkilnError as exc:
+        raise ApiError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
+    finally:
+        watcher.cancel()
+        handle.cancel()
+    return JSONResponse(shape.whole(handle, events))
+
+
+async def _sse(state, handle, arrived, shape: "_Shape", watcher) -> AsyncIterator[str]:
+    try:
+        for chunk in shape.opening():
+            yield _data(chunk)
+        count = 0
+        async for ev in _tracked(state, handle, arrived):
+            count += ev.token_id >= 0
+            chunk = shape.chunk(ev)
+            if chunk is not None:
+                yield _data(chunk)
+        if shape.req.include_usage:
+            yield _data(shape.usage_chunk(handle, count))
+    except GraphkilnError as exc:
+        # the 200 and earlier chunks are already sent: the failure is an error event, then the end
+        yield _data(S.ErrorBody(error=S.ErrorDetail(message=f"generation failed: {exc}", type="server_error",
+                                                    code="generation_failed")).model_dump())
+    finally:
+        watcher.cancel()
+        handle.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _dump(model: BaseModel) -> dict:
+    """OpenAI's JSON: null fields stay (clients expect ``finish_reason: null``), except the
+    token-id extensions, present only when asked for."""
+    out = model.model_dump(mode="json")
+    for holder in [out, *out.get("choices", [])]:
+        for key in ("token_ids", "prompt_token_ids"):
+            if holder.get(key, 0) is None:
+                del holder[key]
+    return out
+
+
+# -- response shapes ------------------------------------------------------------------------
+
+
+def _tokens(events: list[TokenEvent]) -> list[TokenEvent]:
+    """The events that carry a token (a cancellation's last event has token_id -1)."""
+    return [e for e in events if e.token_id >= 0]
+
+
+class _Shape:
+    """How one route turns a request's events into OpenAI's JSON (whole or as chunks)."""
+
+    prefix = "cmpl"
+
+    def __init__(self, req, model_name: str, engine) -> None:
+        self.req, self.model, self.tokenizer = req, model_name, engine.tokenizer
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text_len = 0  # characters of text emitted so far (completions' text_offset)
+
+    def token_text(self, token_id: int) -> str:
+        # vLLM's convention for a token that has no text (artifacts without a tokenizer)
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def usage(self, handle, completion: int) -> S.Usage:
+        prompt = len(handle.prompt_ids)
+        return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def ids(self, events: list[TokenEvent]) -> list[int] | None:
+        return [e.token_id for e in _tokens(events)] if self.req.return_token_ids else None
+
+    def opening(self) -> list[dict]:
+        return []
+
+
+class _CompletionShape(_Shape):
+    prefix = "cmpl"
+
+    def _logprobs(self, events: list[TokenEvent]) -> S.CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        out = S.CompletionLogprobs()
+        for ev in _tokens(events):
+            out.tokens.append(self.token_text(ev.token_id))
+            out.token_logprobs.append(ev.logprob.logprob)
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in ev.logprob.top})
+            out.text_offset.append(self.text_len)
+            self.text_len += len(ev.text)
+        return out
+
+    def whole(self, handle, events: list[TokenEvent]) -> dict:
+        choice = S.CompletionChoice(text="".join(e.text for e in events), logprobs=self._logprobs(events),
+                                    finish_reason=events[-1].finish_reason if events else "length",
+                                    token_ids=self.ids(events))
+        return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                  usage=self.usage(handle, len(_tokens(events))),
+                                  prompt_token_ids=list(handle.prompt_ids) if self.req.return_token_ids else None))
+
+    def chunk(self, ev: TokenEvent) -> dict | None:
+        if not ev.text and ev.finish_reason is None and self.req.logprobs is None and not self.req.return_token_ids:
+            return None  # nothing to say yet (a pending stop string or a partial character)
+        choice = S.CompletionChoice(text=ev.text, logprobs=self._logprobs([ev]), finish_reason=ev.finish_reason,
+                                    token_ids=self.ids([ev]))
+        return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    def usage_chunk(self, handle, count: int) -> dict:
+        return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                                  usage=self.usage(handle, count)))
+
+
+class _ChatShape(_Shape):
+    prefix = "chatcmpl"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return dict(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    def _logprobs(self, events: list[TokenEvent]) -> S.ChatLogprobs | None:
+        if not self.req.logprobs:
+            return None
+        return S.ChatLogprobs(content=[
+            S.ChatTokenLogprob(**self._entry(ev.token_id, ev.logprob.logprob),
+                               top_logprobs=[S.TopLogprob(**self._entry(t, lp)) for t, lp in ev.logprob.top])
+            for ev in _tokens(events)])
+
+    def whole(self, handle, events: list[TokenEvent]) -> dict:
+        choice = S.ChatChoice(message=S.AssistantMessage(content="".join(e.text for e in events)),
+                              logprobs=self._logprobs(events),
+                              finish_reason=events[-1].finish_reason if events else "length",
+                              token_ids=self.ids(events))
+        return _dump(S.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=self.usage(handle, len(_tokens(events))),
+                                      prompt_token_ids=list(handle.prompt_ids) if self.req.return_token_ids else None))
+
+    def _chunk(self, choices: list[S.ChatChunkChoice], usage: S.Usage | None = None) -> dict:
+        return _dump(S.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                           usage=usage))
+
+    def opening(self) -> list[dict]:
+        return [self._chunk([S.ChatChunkChoice(delta=S.Delta(role="assistant", content=""))])]
+
+    def chunk(self, ev: TokenEvent) -> dict | None:
+        if not ev.text and ev.finish_reason is None and not self.req.logprobs and not self.req.return_token_ids:
+            return None
+        delta = S.Delta(content=ev.text) if ev.text or ev.finish_reason is None else S.Delta()
+        return self._chunk([S.ChatChunkChoice(delta=delta, logprobs=self._logprobs([ev]),
+                                              finish_reason=ev.finish_reason, token_ids=self.ids([ev]))])
+
+    def usage_chunk(self, handle, count: int) -> dict:
+        return self._chunk([], self.usage(handle, count))

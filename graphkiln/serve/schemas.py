@@ -1,0 +1,268 @@
+"""Request and response bodies of the OpenAI-compatible routes (pydantic, OpenAI's shapes).
+
+Requests are untrusted: every model is strict about types (``"max_tokens": "8"`` or ``true`` is
+refused, not coerced), forbids unknown fields (a misspelt ``max_token`` would otherwise be
+silently ignored), and bounds every number. Fields OpenAI defines that graphkiln does not
+implement are accepted only at their neutral value (``presence_penalty: 0``, ``echo: false``,
+``n: 1``, ...), so a client that sends its defaults works and one that asks for the feature gets
+a 400 naming the field. Responses are built as these models and dumped to JSON as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+# OpenAI's own bounds, where it has them (temperature 0..2, top_logprobs 0..20, 4 stop strings).
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+Number = StrictInt | StrictFloat
+_REQUEST = ConfigDict(extra="forbid", strict=True)
+
+
+def _neutral(value: Any, neutral: tuple, name: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{name} is not supported by graphkiln serve; leave it out (or {neutral[0]!r})")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """What both routes share: sampling, stops, length, streaming."""
+
+    model_config = _REQUEST
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's extension; 0 disables it
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
+    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    # graphkiln extensions (vLLM's names): also return the prompt's and the choice's token ids;
+    # do not stop at the model's EOS tokens (benchmarks want exactly max_tokens)
+    return_token_ids: StrictBool = False
+    ignore_eos: StrictBool = False
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info):
+        return _neutral(v, (None, 0, 0.0), info.field_name)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v, info):
+        return _neutral(v or None, (None,), info.field_name)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, text or token ids (a list holding one of either is
+    also taken, as the OpenAI client sends it)."""
+
+    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v, info):
+        return _neutral(v, (False,), info.field_name)
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v, info):
+        return _neutral(v, (None, 1), info.field_name)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v, info):
+        return _neutral(v or None, (None,), info.field_name)
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    # Messages may carry fields a template reads (name, tool_call_id, ...): kept, passed through.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``content`` one string (text parts joined)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text for p in self.content)
+        out.setdefault("content", "")
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ----------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "graphkiln"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

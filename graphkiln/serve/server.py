@@ -1,0 +1,151 @@
+"""``graphkiln serve``: load an artifact, start the scheduler, run the app on uvicorn, drain on exit.
+
+Lifecycle: ``Engine.load`` (every file's sha256 checked) -> ``Scheduler`` -> listening socket
+bound here (so an address in use or a privileged port is one error line, and port 0 works) ->
+``scheduler.start()`` -> uvicorn serves until SIGTERM / SIGINT (or ``should_exit`` when run in a
+thread, as the tests do). Shutdown (``DrainingServer.shutdown``), within ``drain_s``:
+``/health`` turns 503 and new requests on open connections get 503; the scheduler stops
+admitting and lets in-flight and queued requests run to their end, cancelling whatever is left
+at the deadline; uvicorn meanwhile closes the listener and waits for the responses (streams get
+their last chunks) with a few seconds' grace beyond the deadline, then the scheduler's thread is
+joined. A drained shutdown is a normal exit (status 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
+
+RESPONSE_GRACE_S = 5.0  # beyond the drain deadline: for cancelled streams to send their last chunk
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str | None = None  # default: the artifact directory's name
+    max_queue: int = 64
+    max_batch: int | None = None
+    step_tokens: int = 256
+    threads: int | None = None
+    drain_s: float = 30.0
+    expect_digest: str | None = None
+    target: str | None = None
+    log_level: str = "info"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); one-line GraphkilnError when the OS refuses."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET  # a host name: resolved by bind
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise GraphkilnError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port or "
+                             "--host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn with the scheduler's drain folded into its graceful shutdown (module docstring)."""
+
+        def __init__(self, config, scheduler, state, drain_s: float) -> None:
+            super().__init__(config)
+            self.scheduler, self.state, self.drain_s = scheduler, state, drain_s
+            self.drained = False
+
+        async def shutdown(self, sockets=None) -> None:
+            self.state.draining = True
+            # scheduler.shutdown blocks until drained or the deadline: off the event loop, which
+            # must keep writing the streams being drained
+            drain = asyncio.get_running_loop().run_in_executor(None, self.scheduler.shutdown, self.drain_s)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+            self.drained = True
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    # uvicorn re-raises the captured SIGTERM/SIGINT after its shutdown, which
+                    # graphkiln's CLI would report as an interruption; a drained stop is a normal exit
+                    self.captured = list(getattr(self, "_captured_signals", []))
+                    if hasattr(self, "_captured_signals"):
+                        self._captured_signals.clear()
+
+    return DrainingServer
+
+
+def make_server(scheduler, engine, app_options, *, drain_s: float = 30.0, log_level: str = "info"):
+    """A ``DrainingServer`` for ``create_app(scheduler, engine, app_options)``; run it with
+    ``server.run(sockets=[bind(host, port)])`` after ``scheduler.start()``."""
+    import uvicorn
+
+    from graphkiln.serve.app import create_app
+
+    app = create_app(scheduler, engine, app_options)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_s + RESPONSE_GRACE_S,
+                            lifespan="off", server_header=False)
+    return _uvicorn_server_class()(config, scheduler, app.state.graphkiln, drain_s)
+
+
+def serve(cfg: ServeConfig) -> int:
+    from graphkiln.runtime import Engine
+    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.serve.app import AppOptions
+
+    sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
+    try:
+        engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target)
+        scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
+    except BaseException:
+        sock.close()
+        raise
+    name = cfg.model_name or Path(cfg.artifact).resolve().name
+    server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key), drain_s=cfg.drain_s,
+                         log_level=cfg.log_level)
+    scheduler.start()  # sizes the slots, before they are reported
+    host, port = sock.getsockname()[:2]
+    if cfg.api_key is None and not _is_loopback(cfg.host):
+        print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use it "
+              "(set --api-key or GRAPHKILN_API_KEY)", file=sys.stderr)
+    print(f"graphkiln serve: model '{name}' on http://{host}:{port}/v1 ({scheduler.stats().total_slots} slots, "
+          f"queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if not server.drained:  # startup failed or the loop died: never leave the stepping thread behind
+            scheduler.shutdown(0)
+        sock.close()
+    print("graphkiln serve: stopped" + (" (drained)" if server.drained else ""), file=sys.stderr, flush=True)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,425 @@
+"""``graphkiln serve`` against the real server on loopback (uvicorn in a thread; the SIGTERM test
+runs the CLI in a subprocess), with the ``openai`` package as client and httpx for raw cases.
+
+The artifact is the tokenizer case (tiny Llama, byte-level BPE) with a chat template added to a
+private copy (``chat_template.jinja``, listed and hashed in its manifest as an export writes it).
+References come from a separate ``Engine`` running each request alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from graphkiln.runtime import Engine, GenerationConfig  # noqa: E402
+
+from cli_contract import assert_one_error, run_cli  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{{ raise_exception('tool messages are not supported') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MODEL = "tiny"
+KEY = "sekrit-key"
+
+
+@pytest.fixture(scope="module")
+def artifact(tok_case, tmp_path_factory):
+    """tok_case's artifact with chat_template.jinja, as the manifest of a checkpoint with one lists it."""
+    import shutil
+
+    art = tmp_path_factory.mktemp("serve") / "artifact"
+    shutil.copytree(tok_case.artifact, art)
+    (art / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["tokenizer_files"].append("chat_template.jinja")
+    manifest["files"]["chat_template.jinja"] = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    return art
+
+
+@pytest.fixture(scope="module")
+def reference(artifact):
+    return Engine.load(artifact)
+
+
+class Running:
+    def __init__(self, server, scheduler, port: int, key: str | None) -> None:
+        self.server, self.scheduler, self.port = server, scheduler, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+    def post(self, path: str, body, **kw) -> "httpx.Response":
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers=self.headers, timeout=30, **kw)
+
+    def wait_idle(self, timeout: float = 10.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            s = self.scheduler.stats()
+            if s.queued == 0 and s.running == 0:
+                return s
+            time.sleep(0.02)
+        raise AssertionError(f"scheduler not idle after {timeout} s: {self.scheduler.stats()}")
+
+
+@contextmanager
+def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0):
+    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.serve.app import AppOptions
+    from graphkiln.serve.server import bind, make_server
+
+    engine = Engine.load(artifact, threads=1)
+    scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
+    sock = bind("127.0.0.1", 0)
+    server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key), drain_s=drain_s,
+                         log_level="warning")
+    scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < end and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    try:
+        yield Running(server, scheduler, sock.getsockname()[1], key)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def srv(artifact):
+    with serving(artifact) as running:
+        yield running
+
+
+def _alone(reference, prompt, n: int, **kw):
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, **kw)
+    return reference.generate(prompt, cfg)[0]
+
+
+def test_concurrent_greedy_requests_equal_each_alone(srv, reference, tok_case):
+    """16 clients at once (completions and chat, streaming and not, staggered lengths); every
+    request's greedy tokens equal the same request run alone on its own Engine."""
+    prompts = tok_case.prompts([3 + 5 * (i % 7) for i in range(16)], salt=7)
+    client = srv.client()
+
+    def one(i: int):
+        n = 6 + i % 5
+        extra = {"return_token_ids": True}
+        if i % 4 == 3:  # chat: the template's tokens come back as prompt_token_ids
+            msgs = [{"role": "user", "content": f"question {i}: why?"}]
+            r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=n, temperature=0, extra_body=extra)
+            return r.prompt_token_ids, r.choices[0].token_ids, r.choices[0].message.content, n
+        if i % 2:
+            stream = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=n, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}, extra_body=extra)
+            ids, text, usage = [], "", None
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    ids += c.token_ids
+                    text += c.text
+            assert usage.completion_tokens == len(ids) and usage.prompt_tokens == len(prompts[i])
+            return prompts[i], ids, text, n
+        r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=n, temperature=0, extra_body=extra)
+        assert r.usage.completion_tokens == len(r.choices[0].token_ids)
+        return prompts[i], r.choices[0].token_ids, r.choices[0].text, n
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    for prompt_ids, ids, text, n in got:
+        want = _alone(reference, prompt_ids, n)
+        assert ids == want.token_ids and text == want.text
+    srv.wait_idle()
+
+
+def test_chat_template_matches_transformers(srv, artifact):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    want = tok.apply_chat_template(msgs, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == list(want)
+    # the template's raise_exception is a 400 naming the template's own message
+    r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]})
+    assert r.status_code == 400 and "tool messages are not supported" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("source,needle", [
+    (None, "no usable chat template"),
+    ("{{ messages.append(1) }}", "SecurityError"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "ChatTemplateError"),
+    ("{% for %}", "does not compile"),
+])
+def test_chat_template_refusals(tmp_path, source, needle):
+    from graphkiln.serve.chat import ChatTemplate, ChatTemplateError
+
+    files = ("tokenizer.json",)
+    if source is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+        files += ("tokenizer_config.json",)
+    (tmp_path / "tokenizer.json").write_text(_tokenizer_json())
+    tpl = ChatTemplate.load(tmp_path, files)
+    with pytest.raises(ChatTemplateError) as err:
+        tpl.render([{"role": "user", "content": "hi"}])
+    msg = str(err.value)
+    assert "\n" not in msg and (needle in msg or needle == type(err.value).__name__), msg
+
+
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).to_str()
+
+
+def test_logprobs_shapes_and_values(srv, reference, tok_case):
+    prompt = tok_case.prompts([9], salt=3)[0]
+    want = _alone(reference, prompt, 5, logprobs=3)
+    client = srv.client()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for got, w in zip(lp.token_logprobs, want.logprobs):
+        assert got == pytest.approx(w.logprob, abs=1e-5)
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    content = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    assert len(content) == 4
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob <= c.top_logprobs[0].logprob + 1e-6 and bytes(c.bytes).decode("utf-8", "replace") == c.token
+    # stop strings end the text before the stop (finish_reason "stop")
+    full = _alone(reference, prompt, 12).text
+    stop = full[3:5]
+    if stop and stop.strip():
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.find(stop)]
+
+
+def test_disconnects_free_every_slot_and_metrics_agree(srv, reference, tok_case):
+    """A bounded load run where about half the clients hang up mid-stream: afterwards nothing is
+    queued or running, every slot is free, /metrics says so, and greedy results are unchanged."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rng = random.Random(5)
+    prompts = tok_case.prompts([rng.randint(3, 40) for _ in range(24)], salt=11)
+    plans = [(p, rng.random() < 0.5, rng.randint(1, 4)) for p in prompts]
+    before = srv.scheduler.stats()
+
+    def one(plan):
+        prompt, hang_up, after = plan
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for i, line in enumerate(r.iter_lines()):
+                if hang_up and i >= after:
+                    return "hung up"
+        return "done"
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(one, plans))
+    assert "hung up" in outcomes and "done" in outcomes
+    stats = srv.wait_idle()
+    assert stats.free_slots == stats.total_slots and stats.generated_tokens > before.generated_tokens
+    metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+               for s in fam.samples}
+    assert metrics["graphkiln_free_slots"] == metrics["graphkiln_total_slots"] == stats.total_slots
+    assert metrics["graphkiln_running_requests"] == metrics["graphkiln_queue_depth"] == 0
+    assert metrics["graphkiln_generated_tokens_total"] == stats.generated_tokens
+    assert metrics["graphkiln_prompt_tokens_total"] == stats.prompt_tokens
+    assert metrics["graphkiln_time_to_first_token_seconds_count"] > 0
+    # the server still answers exactly as before
+    r = srv.client().completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0,
+                                        extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == _alone(reference, prompts[0], 8).token_ids
+
+
+_C, _CHAT = "/v1/completions", "/v1/chat/completions"
+_OK = {"model": MODEL, "prompt": [5, 6, 7]}
+_MSG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+BAD = {
+    "malformed json": (_C, b'{"model": "tiny", "prompt": [1,', "invalid_json"),
+    "not an object": (_C, b"[1, 2]", "invalid_json"),
+    "unknown field": (_C, dict(_OK, max_token=3), "unknown_field"),
+    "unknown model": (_C, dict(_OK, model="gpt-4"), "model_not_found"),
+    "missing prompt": (_C, {"model": MODEL}, "missing_field"),
+    "max_tokens a string": (_C, dict(_OK, max_tokens="8"), "invalid_value"),
+    "max_tokens negative": (_C, dict(_OK, max_tokens=-1), "invalid_value"),
+    "max_tokens bool": (_C, dict(_OK, max_tokens=True), "invalid_value"),
+    "temperature too high": (_C, dict(_OK, temperature=3), "invalid_value"),
+    "top_p zero": (_C, dict(_OK, top_p=0), "invalid_value"),
+    "n 2": (_C, dict(_OK, n=2), "invalid_value"),
+    "five stops": (_C, dict(_OK, stop=["a", "b", "c", "d", "e"]), "invalid_value"),
+    "empty stop": (_C, dict(_OK, stop=""), "invalid_value"),
+    "logprobs 21": (_C, dict(_OK, logprobs=21), "invalid_value"),
+    "negative seed": (_C, dict(_OK, seed=-1), "invalid_value"),
+    "penalty": (_C, dict(_OK, presence_penalty=0.5), "invalid_value"),
+    "echo": (_C, dict(_OK, echo=True), "invalid_value"),
+    "two prompts": (_C, dict(_OK, prompt=["a", "b"]), "invalid_value"),
+    "prompt too long": (_C, dict(_OK, prompt=[5] * 200), None),
+    "id outside vocab": (_C, dict(_OK, prompt=[5, 10**6]), None),
+    "empty prompt": (_C, dict(_OK, prompt=[]), "invalid_value"),
+    "no messages": (_CHAT, dict(_MSG, messages=[]), "invalid_value"),
+    "bad role": (_CHAT, dict(_MSG, messages=[{"role": "wizard", "content": "hi"}]), "invalid_value"),
+    "image part": (_CHAT, dict(_MSG, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+                   "invalid_value"),
+    "top_logprobs alone": (_CHAT, dict(_MSG, top_logprobs=2), None),
+    "stream_options typo": (_CHAT, dict(_MSG, stream=True, stream_options={"include_usag": True}), "unknown_field"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_a_400_in_openai_shape(srv, name):
+    path, body, code = BAD[name]
+    r = srv.post(path, body)
+    assert r.status_code == 400, (name, r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"] and "\n" not in err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def test_routes_unknown_and_health(srv):
+    assert httpx.get(srv.url + "/nope").status_code == 404
+    assert httpx.get(srv.url + "/v1/completions").json()["error"]["code"] == "method_not_allowed"
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    srv.wait_idle()  # refusals hold nothing
+
+
+def test_auth_and_queue_full(artifact, tok_case):
+    """With an API key every route but /health needs it; past max_queue waiting requests, 429
+    with Retry-After (one slot, one place in the queue)."""
+    with serving(artifact, key=KEY, max_queue=1, max_batch=1, step_tokens=64) as s:
+        assert httpx.get(s.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(s.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(s.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(s.url + path, headers=s.headers).status_code == 200
+        assert s.post(_C, _OK | {"max_tokens": 2}).status_code == 200  # s.post sends the key
+        assert httpx.post(s.url + _C, json=_OK).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+        # one slot and one queue place: of 8 requests arriving together (each ~120 decode steps),
+        # the first runs, the next waits, the others are refused
+        prompt = tok_case.prompts([4], salt=1)[0]
+        barrier = threading.Barrier(8)
+
+        def one(_):
+            barrier.wait()
+            return s.post(_C, {"model": MODEL, "prompt": prompt, "max_tokens": 120, "temperature": 0})
+
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(one, range(8)))
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused and all(r.status_code == 200 for r in responses if r.status_code != 429)
+        assert all(r.headers["Retry-After"].isdigit() and r.json()["error"]["code"] == "queue_full" for r in refused)
+        s.wait_idle()
+
+
+def test_sigterm_drains_in_flight_requests(artifact, tok_case):
+    """The CLI under SIGTERM: in-flight streams run to their end, new connections are refused,
+    exit status 0."""
+    env = dict(os.environ, GRAPHKILN_API_KEY="")
+    env.pop("GRAPHKILN_API_KEY")
+    proc = subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "serve", str(artifact), "--port", "0",
+                             "--model-name", MODEL, "--threads", "1", "--max-batch", "4", "--drain-timeout", "20",
+                             "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for _ in range(50):  # the startup line, after anything a library printed first
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline())
+            if found:
+                break
+        port = int(found.group(1))
+        url = f"http://127.0.0.1:{port}"
+        prompts = tok_case.prompts([5, 9, 13], salt=4)
+        results: dict[int, list[str]] = {}
+        started = [threading.Event() for _ in range(3)]
+
+        def one(i):
+            body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 100, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", url + _C, json=body, timeout=60) as r:
+                lines = []
+                for line in r.iter_lines():
+                    started[i].set()
+                    lines.append(line)
+                results[i] = [l for l in lines if l]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(30)
+        proc.terminate()  # while the three stream
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "stopped (drained)" in err and "Traceback" not in err, err
+        for i in range(3):
+            lines = results[i]
+            assert lines[-1] == "data: [DONE]"
+            usage = json.loads(lines[-2][6:])["usage"]
+            last = json.loads(lines[-3][6:])["choices"][0]
+            assert last["finish_reason"] == "length" and usage["completion_tokens"] == 100
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "70000"], "0..65535"),
+    (["--max-queue", "0"], ">= 1"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--drain-timeout", "nan"], "finite"),
+])
+def test_cli_bad_flags_are_one_line(capsys, artifact, argv, needle):
+    code, out, err = run_cli(capsys, "serve", artifact, *argv)
+    assert_one_error(code, err, needle)
+
+
+def test_cli_port_in_use_is_one_line(capsys, artifact):
+    from graphkiln.serve.server import bind
+
+    taken = bind("127.0.0.1", 0)
+    try:
+        code, out, err = run_cli(capsys, "serve", artifact, "--port", taken.getsockname()[1], "--threads", "1")
+        assert_one_error(code, err, "cannot listen on 127.0.0.1", "--port")
+    finally:
+        taken.close()
