@@ -1,4 +1,4 @@
-"""The ``graphkiln`` command: export, inspect, run, verify, check, build, demo.
+"""The ``graphkiln`` command: export, inspect, run, verify, check, build, serve, demo.
 
 Every user error surfaces as one ``error: ...`` line on stderr and exit status 2.
 """
@@ -19,7 +19,7 @@ def _export(args) -> int:
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
-        quant_symmetric=args.quant_scheme == "sym"))
+        quant_symmetric=args.quant_scheme == "sym", stages=args.stages, stage_layers=args.stage_layers))
     return 0
 
 
@@ -163,6 +163,30 @@ def _build(args) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0..65535, got {value}")
+    return value
+
+
+def _serve(args) -> int:
+    import os
+
+    try:
+        from graphkiln.serve.server import ServeConfig, serve
+    except ImportError as exc:
+        raise GraphkilnError(f"graphkiln serve needs {exc.name}: pip install fastapi uvicorn prometheus_client jinja2") from None
+    key, source = (args.api_key, "--api-key") if args.api_key is not None else (
+        os.environ.get("GRAPHKILN_API_KEY"), "GRAPHKILN_API_KEY")
+    if key is not None and not key.strip():
+        raise GraphkilnError(f"{source} is empty: give a non-empty key, or unset it to serve without one")
+    return serve(ServeConfig(
+        artifact=args.artifact, host=args.host, port=args.port, api_key=key, model_name=args.model_name,
+        max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
+        drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target, log_level=args.log_level))
+
+
 def _demo(args) -> int:
     from graphkiln.demo.run import run_demo
 
@@ -203,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quant-scheme", default="sym", choices=["sym", "asym"],
                    help="sym (default): scale per block, no zero points (faster); asym: scale and zero point "
                         "per block (tighter fit for skewed blocks)")
+    e.add_argument("--stages", type=int, default=None, metavar="N",
+                   help="pipeline stages: one decoder graph (and weights file) per slice of layers, N slices "
+                        "as even as possible by weight bytes; Engine.load runs them chained")
+    e.add_argument("--stage-layers", default=None, metavar="A:B,B:C,...",
+                   help="pipeline stages by explicit layer ranges, e.g. 0:6,6:12 (instead of --stages)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 
@@ -270,6 +299,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens per request, prompt included: the state pools' capacity (default and upper "
                         "bound: the artifact's max sequence length)")
     b.set_defaults(fn=_build)
+
+    s = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API (continuous batching)")
+    s.add_argument("artifact")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free port)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "GRAPHKILN_API_KEY environment variable, else no key)")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the artifact directory's name)")
+    s.add_argument("--max-queue", type=_int_at_least(1), default=64, metavar="N",
+                   help="requests waiting for a slot before new ones get 429 (default 64)")
+    s.add_argument("--max-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="requests generating at once: the state pools' slots (default 16, fewer if memory is short)")
+    s.add_argument("--step-tokens", type=_int_at_least(2), default=256, metavar="N",
+                   help="tokens per scheduler step: one per generating request, the rest prefill new prompts in "
+                        "chunks (default 256)")
+    s.add_argument("--threads", type=_int_at_least(1), default=None, help="onnxruntime threads (default: every core)")
+    s.add_argument("--drain-timeout", type=_number(0.0), default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may run before they are cancelled (default 30)")
+    s.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
+                   help="refuse the artifact unless its manifest has this sha256 (as for run)")
+    s.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
+                   help="serve the graph exported for this target (default: the best one for onnxruntime)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=_serve)
 
     d = sub.add_parser("demo", help="build, export, verify and run a small random Llama (no network)")
     d.add_argument("--workdir", default=None, metavar="DIR",

@@ -69,10 +69,11 @@ MAX_MANIFEST_BYTES = 16 << 20  # a 100-layer model's manifest is ~100 KB; refuse
 STATE_KINDS = ("kv", "conv")
 KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value")
 CONV_ROLES = ("conv_state", "new_conv_state")
-INPUT_ROLES = ("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
+INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "pixel_values",
-               "image_grid_thw", "rope_position_ids", "lookahead")
-OUTPUT_ROLES = ("logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
+               "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
+               "image_groups", "image_slots")
+OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
 # graph name -> (input roles, output roles) it may have; "vision" is a vision-language model's encoder:
 # preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
 GRAPH_ROLES = {
@@ -80,10 +81,27 @@ GRAPH_ROLES = {
                  "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "rope_position_ids",
                  "lookahead"),
                 ("logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value")),
-    "vision": (("pixel_values", "image_grid_thw"), ("image_embeddings",)),
+    # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.vision_groups)
+    "vision": (("pixel_values", "image_grid_thw", "patch_positions", "window_groups", "window_slots", "image_groups",
+                "image_slots"), ("image_embeddings",)),
 }
+# A pipeline stage's decoder graph (``stages``, export.stages): named stage0, stage1, ...; a decoder
+# graph whose first input may be the previous stage's hidden_states and whose output, but for
+# the last stage, is hidden_states [batch, seq, hidden] instead of logits.
+STAGE_GRAPH = re.compile(r"stage[0-9]{1,4}")
+
+
+def graph_roles(name: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(input roles, output roles) a graph named ``name`` may have; None for a name no runtime runs."""
+    if STAGE_GRAPH.fullmatch(name):
+        ins, outs = GRAPH_ROLES["decoder"]
+        return ("hidden_states",) + ins, ("hidden_states",) + outs
+    return GRAPH_ROLES.get(name)
+
+
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three
-DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows", "images", "patches", "image_rows")
+DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows", "images", "patches", "image_rows",
+             "windows", "image_patches")
 _ALLOCATED_DIMS = ("batch", "seq", "n_logits")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -206,9 +224,9 @@ class GraphSpec:
 
     @model_validator(mode="after")
     def _io_consistent(self) -> "GraphSpec":
-        if self.name not in GRAPH_ROLES:
+        if graph_roles(self.name) is None:
             raise _FieldError(("name",), f"{self.name!r} is not a graph this runtime runs ({', '.join(GRAPH_ROLES)})")
-        graph_inputs, graph_outputs = GRAPH_ROLES[self.name]
+        graph_inputs, graph_outputs = graph_roles(self.name)
         for side, tensors, roles in (("inputs", self.inputs, graph_inputs), ("outputs", self.outputs, graph_outputs)):
             names, keys = set(), set()
             for i, t in enumerate(tensors):
@@ -226,7 +244,17 @@ class GraphSpec:
                     t.role == "pixel_values" for t in self.inputs):
                 raise _FieldError(("outputs",), "of a vision graph must be one image_embeddings tensor, from pixel_values")
             return self
-        if sum(t.role == "logits" for t in self.outputs) != 1:
+        if STAGE_GRAPH.fullmatch(self.name):
+            if sum(t.role in ("logits", "hidden_states") for t in self.outputs) != 1:
+                raise _FieldError(("outputs",), "of a stage graph must hold exactly one logits or hidden_states tensor")
+            if sum(t.role in ("input_ids", "hidden_states") for t in self.inputs) != 1:
+                raise _FieldError(("inputs",), "of a stage graph must hold exactly one input_ids or hidden_states tensor")
+            for side, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
+                for i, t in enumerate(tensors):
+                    if t.role == "hidden_states" and (len(t.shape) != 3 or tuple(t.shape[:2]) != ("batch", "seq")):
+                        raise _FieldError((side, i, "shape"), f"of hidden_states must be [batch, seq, hidden] "
+                                          f"(got {list(t.shape)})")
+        elif sum(t.role == "logits" for t in self.outputs) != 1:
             raise _FieldError(("outputs",), "must hold exactly one logits tensor")
         if sum(t.role in ("vision_embeddings", "vision_scatter_indices") for t in self.inputs) not in (0, 2):
             raise _FieldError(("inputs",), "must hold vision_embeddings and vision_scatter_indices together (the seam)")
@@ -391,9 +419,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 64 << 20  # images larger than this are refused befor
 class VisionSpec:
     """How a vision-language artifact turns an image into decoder rows: the runtime decodes it
     (at most ``max_image_pixels``, checked before decoding), preprocesses it as the model's
-    processor does (``preprocessing``), runs the ``vision`` graph, and the image's
-    ``placeholder``-many ``image_token_id`` tokens in the prompt take its embedding rows, in
-    order, through the decoder's seam. ``positions``: "1d" (placeholders count as ordinary
+    processor does (``preprocessing``), runs the ``vision`` graph, and each ``image_token_id``
+    the prompt holds expands as ``placeholder`` says (its rows, and around them any prefix and
+    suffix tokens: Gemma3), the rows taking the image's embeddings, in order, through the
+    decoder's seam. ``positions``: "1d" (placeholders count as ordinary
     positions) or "mrope" (Qwen2.5-VL: the decoder takes ``rope_position_ids``, 3-D rotary
     positions computed from each image's grid; ``runtime.prompt_layout``)."""
 
@@ -402,6 +431,22 @@ class VisionSpec:
     placeholder: PlaceholderRule
     positions: Literal["1d", "mrope"] = "1d"
     max_image_pixels: PosInt = DEFAULT_MAX_IMAGE_PIXELS
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage (export.stages): graph ``graph`` (one per target, by name) runs layers
+    ``layers`` = [start, end); ``files`` are the graph and data files only it reads (what a
+    process running only this stage needs); ``states`` the manifest's states restricted to its
+    layers (the pools it allocates); ``tied_head``: the last stage's own copy of a head tied to
+    the embedding (the first stage holds the embedding)."""
+
+    graph: Name
+    layers: tuple[Count, Count]
+    files: Annotated[tuple[RelPath, ...], Field(min_length=1)]
+    states: Annotated[tuple[StateSpec, ...], Field(min_length=1)]
+    tied_head: bool = False
 
 
 @with_config(_STRICT)
@@ -417,6 +462,7 @@ class Manifest:
     custom_ops: tuple[CustomOpRef, ...] = ()
     engines: tuple[EngineSpec, ...] = ()
     vision: VisionSpec | None = None
+    stages: tuple[StageSpec, ...] = ()  # a pipeline-staged artifact: no "decoder" graph, one per stage
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str, target: str | None = None) -> GraphSpec:
@@ -468,8 +514,9 @@ class Manifest:
             if (name, target) in keys[:i]:
                 raise _FieldError(("graphs", i, "name"), f"{name!r} appears twice for target {target}")
         names = [g.name for g in self.graphs]
-        if "decoder" not in names:
+        if "decoder" not in names and not self.stages:
             raise _FieldError(("graphs",), "has no graph named 'decoder'")
+        self._check_stages(names)
         if MANIFEST_NAME in self.files:
             raise _FieldError(("files",), f"lists {MANIFEST_NAME}, which cannot hold its own checksum")
         for i, g in enumerate(self.graphs):
@@ -546,6 +593,13 @@ class Manifest:
             if self.vision.image_token_id >= vocab:
                 raise _FieldError(("vision", "image_token_id"), f"is {self.vision.image_token_id}, outside the "
                                   f"vocabulary [0, {vocab})")
+            rule = self.vision.placeholder
+            for name in ("row_token_id", "prefix_ids", "suffix_ids"):
+                ids = getattr(rule, name, None)
+                bad = [t for t in (ids if isinstance(ids, tuple) else (ids,)) if t is not None and not 0 <= t < vocab]
+                if bad:
+                    raise _FieldError(("vision", "placeholder", name), f"holds token id {bad[0]}, outside the "
+                                      f"vocabulary [0, {vocab})")
             try:
                 check_compatible(self.vision.preprocessing, self.vision.placeholder)
             except ValueError as exc:
@@ -564,6 +618,72 @@ class Manifest:
             if token is not None and token >= vocab:
                 raise _FieldError(("generation",) + loc, f"is {token}, outside the vocabulary [0, {vocab})")
         return self
+
+    def _check_stages(self, names: list[str]) -> None:
+        """A staged artifact (``stages``): stage k is graph ``stage{k}``, the stages cover the
+        layers in order, each graph reads and writes only its own layers' state, takes
+        input_ids (first) or hidden_states (later) and returns logits (last) or hidden_states,
+        and each stage's states are the manifest's states restricted to its layers."""
+        stage_graphs = sorted({n for n in names if STAGE_GRAPH.fullmatch(n)})
+        if not self.stages:
+            if stage_graphs:
+                raise _FieldError(("stages",), f"is empty but the artifact has stage graph {stage_graphs[0]!r}")
+            return
+        if "decoder" in names:
+            raise _FieldError(("graphs",), "holds a 'decoder' graph beside pipeline stages: a staged artifact has "
+                              "one graph per stage")
+        if len(stage_graphs) != len(self.stages):
+            raise _FieldError(("stages",), f"lists {len(self.stages)} stages but the artifact has "
+                              f"{len(stage_graphs)} stage graphs")
+        last = len(self.stages) - 1
+        expected = 0
+        for i, st in enumerate(self.stages):
+            where = ("stages", i)
+            if st.graph != f"stage{i}" or st.graph not in names:
+                raise _FieldError(where + ("graph",), f"is {st.graph!r}, not the artifact's graph 'stage{i}'")
+            start, end = st.layers
+            if start != expected or end <= start:
+                raise _FieldError(where + ("layers",), f"is {[start, end]}: stages must cover the layers in order, "
+                                  f"without gaps or overlaps (this one must start at {expected})")
+            expected = end
+            if st.tied_head and i != last:
+                raise _FieldError(where + ("tied_head",), "is set on a stage that is not the last (the head's copy "
+                                  "belongs to the last stage)")
+            for j, f in enumerate(st.files):
+                if f not in self.files:
+                    raise _FieldError(where + ("files", j), f"{f!r} is not listed in files (no checksum covers it)")
+            held: set[int] = set()
+            for j, s in enumerate(st.states):
+                for k, layer in enumerate(s.layers):
+                    owner = next((g for g in self.states if layer in g.layers), None)
+                    if not start <= layer < end or owner is None:
+                        raise _FieldError(where + ("states", j, "layers", k), f"is {layer}, not a stateful layer of "
+                                          f"this stage ({start}:{end})")
+                    if asdict(owner) | {"layers": None} != asdict(s) | {"layers": None}:
+                        raise _FieldError(where + ("states", j), f"differs from the manifest state holding layer {layer}")
+                    if layer in held:
+                        raise _FieldError(where + ("states", j, "layers", k), f"layer {layer} is in two states")
+                    held.add(layer)
+            owned = {layer for g in self.states for layer in g.layers if start <= layer < end}
+            if held != owned:
+                raise _FieldError(where + ("states",), f"misses the state of layer {min(owned - held)}")
+            for g in self.graphs:
+                if g.name != st.graph:
+                    continue
+                if g.file not in st.files:
+                    raise _FieldError(where + ("files",), f"does not list the stage's graph file {g.file!r}")
+                roles_in = {t.role for t in g.inputs}
+                roles_out = {t.role for t in g.outputs}
+                want_in, want_out = ("input_ids" if i == 0 else "hidden_states"), ("logits" if i == last else "hidden_states")
+                if want_in not in roles_in or want_out not in roles_out:
+                    raise _FieldError(where + ("graph",), f"graph {g.file} must take {want_in} and return {want_out} "
+                                      f"as stage {i} of {last + 1}")
+                for t in g.inputs + g.outputs:
+                    if t.layer is not None and not start <= t.layer < end:
+                        raise _FieldError(where + ("graph",), f"graph {g.file} has {t.name!r}, a tensor of layer "
+                                          f"{t.layer} outside the stage's layers {start}:{end}")
+        if expected != self.model.num_layers:
+            raise _FieldError(("stages",), f"cover layers 0:{expected}, not the model's {self.model.num_layers} layers")
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> "Manifest":

@@ -37,6 +37,10 @@ class ExportOptions:
     quant: str | None = None
     quant_block_size: int = 32
     quant_symmetric: bool = True  # False: asymmetric blocks with zero points (see lowering.quantize)
+    # pipeline stages (export.stages): N stages split evenly by weight bytes, or explicit
+    # layer ranges "0:6,6:12"; None/None: one decoder graph
+    stages: int | None = None
+    stage_layers: str | None = None
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -206,6 +210,11 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
+# Targets whose graphs also emit the folded greedy sampler's ``next_token`` (onnx_export.add_next_token).
+# Not tensorrt: its runners bind every output to a device buffer they know (runtime.device_state).
+NEXT_TOKEN_TARGETS = ("portable", "onnxruntime")
+
+
 def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions):
     """Lower the traced graph (``out_dir / traced.file``, weights in its data file) once per
     target; returns the graph specs (primary first, see ``PRIMARY_ORDER``) and the custom ops
@@ -242,6 +251,10 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
             graph, rewritten = lower_for_tensorrt(out_dir, graph)
             _say(opts, f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)"
                  + (f" in {graph.file}" if len(targets) > 1 else ""))
+        if target in NEXT_TOKEN_TARGETS:
+            from graphkiln.export.onnx_export import add_next_token
+
+            graph = add_next_token(out_dir, graph)
         graphs.append(graph)
         ops.update({(o.domain, o.name, o.version): o for o in graph_ops})
     return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
@@ -262,7 +275,8 @@ def export_vision_graph(src: Path, family, vcfg, cfg, dtype: str, out_dir: Path,
                              f"{opts.dtype}): re-download the checkpoint, or export with --dtype fp32") from None
     del module
     _say(opts, f"      vision graph traced in {time.perf_counter() - t0:.1f}s ({graph.file})")
-    return (*graphs, graph), VisionSpec(vcfg.image_token_id, vcfg.preprocessing, vcfg.placeholder)
+    return (*graphs, graph), VisionSpec(vcfg.image_token_id, vcfg.preprocessing, vcfg.placeholder,
+                                     positions=vcfg.positions)
 
 
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
@@ -321,11 +335,16 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         from graphkiln.export.assets import read_preprocessor_config
 
         vcfg = family.vision.parse(raw, read_preprocessor_config(src))
+        if family.vision.complete is not None:
+            vcfg = family.vision.complete(src, vcfg)
         family.vision.check(src, vcfg)
         if vcfg.image_token_id >= cfg.vocab_size:
             raise GraphkilnError(f"config.json: image token id {vcfg.image_token_id} is outside the text vocabulary "
                                  f"[0, {cfg.vocab_size}): fix image_token_index")
 
+    from graphkiln.export.stages import check_stage_request
+
+    stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets, vcfg is not None)
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src,)) as tmp:
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
@@ -335,18 +354,31 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
-        try:
-            traced = export_decoder(decoder, tmp, opts.opset)
-        except NonFiniteWeight as exc:
-            raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
-        state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
-        del decoder  # before the lowering, which loads (some of) the weights again
-        if traced.stamp_refused:
-            _say(opts, f"      (could not stamp layers from a template: {traced.stamp_refused}; traced them all)")
-        n_traced = len(traced.traced_layers)
-        how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
-        _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
-        graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts)
+        staged = None
+        if stage_ranges is not None:  # one graph per slice of layers (export.stages)
+            from graphkiln.export.stages import export_stages
+
+            state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
+            try:
+                staged = export_stages(decoder, tmp, opts.stages, stage_ranges, targets, opts,
+                                       say=lambda msg: _say(opts, msg))
+            except NonFiniteWeight as exc:
+                raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
+            del decoder
+            graphs, used_ops = staged.graphs, staged.custom_ops
+        else:
+            try:
+                traced = export_decoder(decoder, tmp, opts.opset)
+            except NonFiniteWeight as exc:
+                raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
+            state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
+            del decoder  # before the lowering, which loads (some of) the weights again
+            if traced.stamp_refused:
+                _say(opts, f"      (could not stamp layers from a template: {traced.stamp_refused}; traced them all)")
+            n_traced = len(traced.traced_layers)
+            how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
+            _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
+            graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts)
         vision = None
         if vcfg is not None:
             graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)
@@ -376,6 +408,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             files=checksum_tree(tmp),
             custom_ops=tuple(CustomOpRef(o.domain, o.name, o.version, o.plugin_namespace, o.plugin_version) for o in used_ops),
             vision=vision,
+            stages=staged.stage_specs(tuple(states)) if staged is not None else (),
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")

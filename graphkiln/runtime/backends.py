@@ -43,6 +43,10 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
         # the GPU runners bind no vision seam yet (runtime.trt_runner, runtime.ort_cuda)
         raise GraphkilnError(f"vision-language artifacts run on onnxruntime on the CPU only for now, not {backend} on "
                              f"{device}: load it without backend/device")
+    if manifest.stages:  # one graph per slice of layers, chained in this process (runtime.stages)
+        from graphkiln.runtime.stages import open_staged
+
+        return open_staged(artifact_dir, manifest, backend, device, threads, target)
     spec = manifest.graph("decoder", target) if target else manifest.graph_for("decoder", backend)
     if backend == "onnxruntime" and device == "cpu":
         from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype

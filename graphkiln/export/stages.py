@@ -1,0 +1,425 @@
+"""Pipeline stages: one decoder graph per contiguous slice of layers (issue 15).
+
+Planning. ``--stages N`` splits the layers into N contiguous, non-empty ranges whose weight
+bytes are as even as possible (the largest stage is minimised; the first stage also carries
+the token embedding, the last the final norm and the head, and each stage the rotary tables
+its attention layers read); ``--stage-layers 0:6,6:12`` gives the ranges. Both are checked
+against the config before anything is written (``check_stage_request``).
+
+Graph contract of stage k over layers [start, end) (see ``models.decoder`` for the rest):
+  first stage:   input_ids [batch, seq] (and the vision seam inputs of a VLM)
+  later stages:  hidden_states [batch, seq, hidden] (the model dtype)
+  every stage:   position_ids, the layout inputs its attention layers read (rope_position_ids,
+                 lookahead), seq_lens/slot_idx when it has conv layers, and the state inputs
+                 and outputs of its own layers only (names keep the global layer index)
+  last stage:    logits_index -> logits (+ the target's next_token), after the final norm/head
+  other stages:  -> hidden_states_out (role hidden_states) [batch, seq, hidden], every position
+                 (the next stage needs them all to fill its own caches)
+Each stage's graph is traced from a module holding only its layers' parameters, so its
+external-data file holds only the weights it reads; with tied embeddings the last stage
+writes its own copy of the head (``StageSpec.tied_head``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.manifest import GraphSpec, StageSpec, StateSpec, TensorSpec
+
+HIDDEN_STATES = "hidden_states"
+HIDDEN_STATES_OUT = "hidden_states_out"  # the output's name (role hidden_states)
+STAGE_TARGETS = ("onnxruntime", "portable")  # one per staged artifact, for now
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layer ranges [start, end), contiguous and covering every layer, and each stage's
+    planned weight bytes (what its data file should hold, before any quantization)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    planned_bytes: tuple[int, ...]
+
+
+# -- requests and planning ---------------------------------------------------------------------
+
+
+def parse_stage_layers(text: str, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``--stage-layers 0:6,6:12`` as ranges; a one-line GraphkilnError for a range that is
+    malformed, empty, out of bounds, overlapping, leaves a gap or does not cover every layer."""
+    ranges = []
+    for item in str(text).split(","):
+        parts = item.strip().split(":")
+        try:
+            start, end = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+        except ValueError:
+            start = end = None
+        if start is None:
+            raise GraphkilnError(f"--stage-layers {text}: {item.strip() or 'an empty item'!r} is not a START:END layer "
+                                 "range: write e.g. 0:6,6:12")
+        if not 0 <= start < end <= num_layers:
+            raise GraphkilnError(f"--stage-layers {text}: range {start}:{end} is empty or outside the model's "
+                                 f"{num_layers} layers (0:{num_layers}): use START < END <= {num_layers}")
+        ranges.append((start, end))
+    if len(ranges) < 2:
+        raise GraphkilnError(f"--stage-layers {text} names one stage: give at least two ranges, or drop it for an "
+                             "unstaged artifact")
+    expected = 0
+    for start, end in ranges:
+        if start < expected:
+            raise GraphkilnError(f"--stage-layers {text}: range {start}:{end} overlaps the one before it: "
+                                 f"start it at {expected}")
+        if start > expected:
+            raise GraphkilnError(f"--stage-layers {text}: layers {expected}:{start} are in no stage: "
+                                 f"ranges must cover 0:{num_layers} without gaps")
+        expected = end
+    if expected != num_layers:
+        raise GraphkilnError(f"--stage-layers {text}: layers {expected}:{num_layers} are in no stage: "
+                             f"ranges must cover 0:{num_layers}")
+    return tuple(ranges)
+
+
+def check_stage_request(stages: int | None, stage_layers: str | None, num_layers: int,
+                        targets: tuple[str, ...] = ("onnxruntime",), vision: bool = False) -> tuple | None:
+    """Refuse a stage request the model cannot take (before anything is written); returns the
+    explicit ranges of ``--stage-layers``, () for ``--stages N`` (planned once weights are
+    known), or None for an unstaged export."""
+    if stages is None and stage_layers is None:
+        return None
+    flag = "--stages" if stages is not None else "--stage-layers"
+    if stages is not None and stage_layers is not None:
+        raise GraphkilnError("--stages and --stage-layers both given: use one of them")
+    if len(targets) != 1 or targets[0] not in STAGE_TARGETS:
+        raise GraphkilnError(f"{flag} with --target {','.join(targets)} is not supported yet: use --target "
+                             f"{' or --target '.join(STAGE_TARGETS)}")
+    if vision:
+        raise GraphkilnError(f"{flag} is not supported for vision-language models yet: export it without stages")
+    if stage_layers is not None:
+        return parse_stage_layers(stage_layers, num_layers)
+    if stages is None:
+        return None
+    if type(stages) is not int or stages < 2:
+        raise GraphkilnError(f"--stages {stages} is not a number of stages >= 2: use at least 2, or drop it for an "
+                             "unstaged artifact")
+    if stages > num_layers:
+        raise GraphkilnError(f"--stages {stages} is more stages than the model's {num_layers} layers: use at most "
+                             f"{num_layers}")
+    return ()
+
+
+def _bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def stage_costs(decoder) -> tuple[list[int], int, int, dict[str, int]]:
+    """Weight bytes per layer, of the embedding, of the head (final norm + lm_head; counted
+    again when tied: the last stage carries its own copy), and of each rope flavor's tables."""
+    layers = [_bytes(layer) for layer in decoder.model.layers]
+    head = _bytes(decoder.model.norm) + decoder.lm_head.weight.numel() * decoder.lm_head.weight.element_size()
+    ropes = {}
+    for name in decoder.rope_flavors:
+        cos, sin = decoder.rope_tables(name)
+        ropes[name] = cos.numel() * cos.element_size() + sin.numel() * sin.element_size()
+    return layers, _bytes(decoder.model.embed_tokens), head, ropes
+
+
+def planned_bytes(decoder, ranges) -> tuple[int, ...]:
+    layers, embed, head, ropes = stage_costs(decoder)
+    out = []
+    for k, (start, end) in enumerate(ranges):
+        flavors = {decoder.cfg.layers[i].rope for i in range(start, end) if decoder.cfg.layers[i].mixer == "attention"}
+        total = sum(layers[start:end]) + sum(ropes[f] for f in flavors)
+        total += embed if k == 0 else 0
+        total += head if k == len(ranges) - 1 else 0
+        out.append(total)
+    return tuple(out)
+
+
+def plan_even(costs: list[int], n: int, first_extra: int = 0, last_extra: int = 0) -> tuple[tuple[int, int], ...]:
+    """N contiguous non-empty ranges over ``costs`` minimising the largest stage's bytes (ties:
+    the earliest split). Exact dynamic programme, O(n * L^2): L is at most a few hundred."""
+    num = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(k: int, start: int, end: int) -> int:
+        return (prefix[end] - prefix[start] + (first_extra if k == 0 else 0)
+                + (last_extra if k == n - 1 else 0))
+
+    inf = float("inf")
+    # best[k][e]: the smallest largest-stage over stages 0..k covering layers [0, e)
+    best = [[inf] * (num + 1) for _ in range(n)]
+    cut = [[0] * (num + 1) for _ in range(n)]
+    for e in range(1, num + 1):
+        best[0][e] = cost(0, 0, e)
+    for k in range(1, n):
+        for e in range(k + 1, num + 1):
+            for s in range(k, e):
+                value = max(best[k - 1][s], cost(k, s, e))
+                if value < best[k][e]:
+                    best[k][e], cut[k][e] = value, s
+    ranges, end = [], num
+    for k in range(n - 1, 0, -1):
+        start = cut[k][end]
+        ranges.append((start, end))
+        end = start
+    ranges.append((0, end))
+    return tuple(reversed(ranges))
+
+
+def make_plan(decoder, stages: int | None, ranges: tuple) -> StagePlan:
+    if not ranges:
+        layers, embed, head, _ = stage_costs(decoder)
+        ranges = plan_even(layers, stages, embed, head)
+    return StagePlan(tuple(ranges), planned_bytes(decoder, ranges))
+
+
+# -- the stage's torch module --------------------------------------------------------------------
+
+
+def _module_class():
+    import torch
+    from torch import nn
+
+    from graphkiln.models.decoder import DecoderForExport, scatter_vision_rows
+
+    class StageForExport(nn.Module):
+        """Layers [start, end) of a ``DecoderForExport``, sharing its parameters (no copies in
+        memory) but holding no others: what torch.export lifts is exactly the stage's weights.
+        The forward is the stage contract in this module's docstring."""
+
+        def __init__(self, decoder: DecoderForExport, start: int, end: int, first: bool, last: bool) -> None:
+            super().__init__()
+            self.cfg, self.start, self.end, self.first, self.last = decoder.cfg, start, end, first, last
+            self.model = nn.Module()
+            if first:
+                self.model.embed_tokens = decoder.model.embed_tokens
+            # keys are the global layer indices: initializer names say which layer a weight is
+            self.model.layers = nn.ModuleDict({str(i): decoder.model.layers[i] for i in range(start, end)})
+            if last:
+                self.model.norm = decoder.model.norm
+                self.lm_head = decoder.lm_head
+            self.specs = [decoder.cfg.layers[i] for i in range(start, end)]
+            self.has_attention = any(s.mixer == "attention" for s in self.specs)
+            self.has_conv = any(s.mixer != "attention" for s in self.specs)
+            self.rope_flavors = sorted({s.rope for s in self.specs if s.mixer == "attention"})
+            for name in self.rope_flavors:
+                cos, sin = decoder.rope_tables(name)
+                self.register_buffer(f"rope_cos_{name}", cos, persistent=False)
+                self.register_buffer(f"rope_sin_{name}", sin, persistent=False)
+
+        def rope_tables(self, flavor: str):
+            return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
+
+        def forward(self, first_input, position_ids, *rest):
+            cfg = self.cfg
+            if self.last:
+                logits_index, rest = rest[0], rest[1:]
+            if self.first:
+                x = self.model.embed_tokens(first_input)
+                if cfg.embed_scale is not None:  # as DecoderForExport.forward: rounded to the model dtype first
+                    x = x * torch.tensor(cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+                if cfg.vision_seam:
+                    x = scatter_vision_rows(x, rest[0], rest[1])
+                    rest = rest[2:]
+            else:
+                x = first_input
+            rope_position_ids = lookahead = None
+            if self.has_attention and cfg.mrope_section:
+                rope_position_ids, rest = rest[0], rest[1:]
+            if self.has_attention and cfg.image_lookahead:
+                lookahead, rest = rest[0], rest[1:]
+            seq_lens = slot_idx = None
+            if self.has_conv:
+                seq_lens, slot_idx, rest = rest[0], rest[1], rest[2:]
+            # the decoder's own rope helper (M-RoPE included), over this module's tables
+            rope = {name: DecoderForExport._rope(self, name, rope_position_ids) for name in self.rope_flavors}
+            new_states, off = [], 0
+            for spec, layer in zip(self.specs, self.model.layers.values()):
+                arity = 2 if spec.mixer == "attention" else 1
+                x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead)
+                off += arity
+                new_states += new
+            if not self.last:
+                return (x, *new_states)
+            index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
+            x = torch.gather(x, 1, index)
+            logits = self.lm_head(self.model.norm(x))
+            if cfg.final_logit_softcap is not None:
+                cap = cfg.final_logit_softcap
+                logits = torch.tanh(logits / cap) * cap
+            return (logits.to(torch.float32), *new_states)
+
+    return StageForExport
+
+
+def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The stage graph's inputs and outputs (the stage contract in the module docstring), in the
+    order the stage module's forward takes and returns them."""
+    from graphkiln.export.onnx_export import decoder_io
+
+    full_ins, full_outs = decoder_io(cfg, dtype)
+    specs = cfg.layers[start:end]
+    has_attention = any(s.mixer == "attention" for s in specs)
+    has_conv = any(s.mixer != "attention" for s in specs)
+    hidden = TensorSpec(HIDDEN_STATES, dtype, ("batch", "seq", cfg.hidden_size), HIDDEN_STATES)
+    ins = [full_ins[0] if first else hidden, full_ins[1]]
+    if last:
+        ins.append(full_ins[2])
+    wanted = set()
+    if first:
+        wanted |= {"vision_embeddings", "vision_scatter_indices"}
+    if has_attention:
+        wanted |= {"rope_position_ids", "lookahead"}
+    if has_conv:
+        wanted |= {"seq_lens", "slot_idx"}
+    ins += [t for t in full_ins[3:] if t.layer is None and t.role in wanted]
+    ins += [t for t in full_ins if t.layer is not None and start <= t.layer < end]
+    # an ONNX graph defines each name once: a middle stage takes and returns hidden states
+    outs = [full_outs[0] if last else TensorSpec(HIDDEN_STATES_OUT, dtype, hidden.shape, HIDDEN_STATES)]
+    outs += [t for t in full_outs if t.layer is not None and start <= t.layer < end]
+    return ins, outs
+
+
+def _trace_stage(module, cfg, ins: list[TensorSpec], outs: list[TensorSpec], opset: int):
+    """torch.onnx.export of one stage with the contract's names and dynamic axes (the example
+    sizes avoid 0 and 1, as ``onnx_export._trace``)."""
+    import torch
+    from torch.export import Dim
+
+    from graphkiln.export.custom_ops import registry as custom_ops
+
+    dtype = next(module.parameters()).dtype
+    b, s, c, n, slots, rows = 2, 3, 5, 2, 4, 3
+    dims = {"batch": Dim("batch"), "seq": Dim("seq"), "cache_len": Dim("cache_len"), "n_logits": Dim("n_logits"),
+            "slots": Dim("slots"), "vision_rows": Dim("vision_rows")}
+    example = {"batch": b, "seq": s, "cache_len": c, "n_logits": n, "slots": slots, "vision_rows": rows}
+    args, dynamic = [], []
+    for t in ins:
+        shape = tuple(example[d] if isinstance(d, str) else d for d in t.shape)
+        if t.role == "position_ids":
+            value = torch.arange(s).expand(b, s).contiguous()
+        elif t.role == "rope_position_ids":
+            value = torch.arange(s).expand(3, b, s).contiguous()
+        elif t.role == "seq_lens":
+            value = torch.full((b,), s, dtype=torch.long)
+        elif t.role == "slot_idx":
+            value = torch.arange(b, dtype=torch.long)
+        elif t.role == "vision_scatter_indices":
+            value = torch.tensor([0, b * s + 1, 2], dtype=torch.long)  # the out-of-range skip is traced too
+        elif t.dtype == "int64":
+            value = torch.zeros(shape, dtype=torch.long)
+        else:
+            value = torch.zeros(shape, dtype=dtype)
+        args.append(value)
+        dynamic.append({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str) and d in dims})
+    # forward(first, position_ids, *rest): everything after position_ids is one pytree entry
+    dynamic_shapes = (dynamic[0], dynamic[1], tuple(dynamic[2:]))
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    log = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(module, tuple(args), dynamo=True, input_names=[t.name for t in ins],
+                                     output_names=[t.name for t in outs], dynamic_shapes=dynamic_shapes,
+                                     opset_version=opset, external_data=True, optimize=True,
+                                     custom_translation_table=custom_ops.translation_table())
+    except Exception as exc:
+        raise GraphkilnError(f"ONNX export of a pipeline stage failed ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200]}): report this with the checkpoint's config.json") from exc
+
+
+def stage_graph_name(k: int) -> str:
+    return f"stage{k}"
+
+
+@dataclass(frozen=True)
+class ExportedStages:
+    """What ``export_stages`` wrote: the stage graphs (in order), per stage (graph name, layer
+    range, its files, tied-head copy), the custom ops used, and the plan."""
+
+    graphs: tuple[GraphSpec, ...]
+    stages: tuple[tuple, ...]
+    custom_ops: list
+    plan: StagePlan
+
+    def stage_specs(self, states: tuple[StateSpec, ...]) -> tuple[StageSpec, ...]:
+        """The manifest's stage records, each owning the model's states restricted to its layers."""
+        return tuple(StageSpec(name, layers, files, stage_states(states, *layers), tied_head=tied)
+                     for name, layers, files, tied in self.stages)
+
+
+def stage_states(states: tuple[StateSpec, ...], start: int, end: int) -> tuple[StateSpec, ...]:
+    """The model's states restricted to layers [start, end): what the stage's pools hold."""
+    import dataclasses
+
+    out = []
+    for s in states:
+        layers = tuple(i for i in s.layers if start <= i < end)
+        if layers:
+            out.append(dataclasses.replace(s, layers=layers))
+    return tuple(out)
+
+
+def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, targets: tuple[str, ...], opts,
+                  say=lambda msg: None) -> ExportedStages:
+    """Trace, save and lower one graph per stage (``stage{k}.onnx`` + ``stage{k}.onnx.data``).
+
+    Only the onnxruntime and portable targets, one target per artifact, for now: the lowering
+    passes are the single-graph export's, run on each stage's file."""
+    from graphkiln.export.custom_ops import registry as custom_ops
+    from graphkiln.export.external_data import save_model
+    from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE
+
+    if len(targets) != 1 or targets[0] not in STAGE_TARGETS:
+        raise GraphkilnError(f"--target {','.join(targets)} is not supported with pipeline stages yet: use "
+                             f"--target {' or --target '.join(STAGE_TARGETS)}")
+    plan = make_plan(decoder, stages, ranges)
+    cfg = decoder.cfg
+    dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
+    tied = decoder.lm_head.weight is decoder.model.embed_tokens.weight or (
+        decoder.lm_head.weight.data_ptr() == decoder.model.embed_tokens.weight.data_ptr())
+    StageForExport = _module_class()
+    graphs, specs, ops = [], [], {}
+    n = len(plan.ranges)
+    for k, (start, end) in enumerate(plan.ranges):
+        t0 = time.perf_counter()
+        first, last = k == 0, k == n - 1
+        module = StageForExport(decoder, start, end, first, last).eval()
+        ins, outs = stage_io(cfg, start, end, first, last, dtype)
+        program = _trace_stage(module, cfg, ins, outs, opts.opset)
+        used = custom_ops.attach_functions(program.model)
+        program.model.ir_version = IR_FOR_OPSET[opts.opset]
+        program.model.producer_name = "graphkiln"
+        name = stage_graph_name(k)
+        file = f"{name}.onnx"
+        save_model(program.model, out_dir / file)
+        del program, module
+        graph = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
+        if targets[0] == "onnxruntime":
+            from graphkiln.export.pipeline import lower_for_onnxruntime, release_exporter_references
+
+            release_exporter_references()
+            graph, used = lower_for_onnxruntime(out_dir, graph, used, opts.quant, opts.quant_block_size,
+                                                opts.quant_symmetric)
+        from graphkiln.export import pipeline
+
+        if last and targets[0] in getattr(pipeline, "NEXT_TOKEN_TARGETS", ()) and not any(
+                t.role == "next_token" for t in graph.outputs):
+            from graphkiln.export.onnx_export import add_next_token  # the single-graph export's greedy tail
+
+            graph = add_next_token(out_dir, graph)
+        files = tuple(sorted(p.name for p in out_dir.iterdir() if p.name == file or p.name.startswith(file + ".")))
+        graphs.append(graph)
+        specs.append((name, (start, end), files, last and tied))
+        ops.update({(o.domain, o.name, o.version): o for o in used})
+        say(f"      stage {k}: layers {start}:{end}, {sum((out_dir / f).stat().st_size for f in files) / 2**20:.2f} MiB "
+            f"(planned weights {plan.planned_bytes[k] / 2**20:.2f} MiB) in {time.perf_counter() - t0:.1f}s")
+    return ExportedStages(tuple(graphs), tuple(specs), list(ops.values()), plan)
