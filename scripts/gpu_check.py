@@ -484,7 +484,8 @@ def check_attention(case: AttnCase, dtype: str, device: str = "cuda", *, launch:
     q, k, v, past_k, past_v, pos, cos, sin = attention_inputs(case, dtype, device, seed)
     scale = case.d ** -0.5
     args = (case.nq, case.nkv, case.window, scale)
-    want_out, want_k, want_v = reference(q, k, v, past_k, past_v, pos, cos, sin, *args, kv_update=1)
+    causal = torch.zeros(1, 1, dtype=torch.int64, device=device)  # lookahead: a text model's tokens
+    want_out, want_k, want_v = reference(q, k, v, past_k, past_v, pos, cos, sin, causal, *args, kv_update=1)
     cache_k, cache_v = past_k.clone(), past_v.clone()  # present_* alias past_*: the kernel writes these
     out = launch(q, k, v, cache_k, cache_v, pos, cos, sin, *args, kernel=kernel)
 

@@ -183,6 +183,19 @@ SPECS: dict[str, Spec] = {
 _TINY_TEXT = dict(_COMMON, vocab_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 _TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, image_size=32, patch_size=8,
                    num_channels=3)
+# Vision-language architectures whose tiny spec and parity tests live in their own test file
+# (module name -> the module's SPEC): Qwen2.5-VL's windowed tower and Gemma3-VL's wrapping need
+# fixtures of their own. Parity on the onnxruntime and portable targets; the tensorrt target is
+# not exercised for them.
+OWN_FILE_VLMS = ("test_qwen2_5_vl", "test_gemma3_vl")
+
+
+def own_file_vlm_architectures() -> set[str]:
+    import importlib
+
+    return {importlib.import_module(m).SPEC.architecture for m in OWN_FILE_VLMS}
+
+
 VLM_SPECS: dict[str, Spec] = {
     s.name: s
     for s in [

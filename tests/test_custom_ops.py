@@ -148,7 +148,9 @@ def short_conv_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtyp
 
 def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dtype=torch.float32):
     """Rows with different numbers of cached tokens (start_b in 0..cache; row 0 has none); the
-    cache beyond each row's start holds garbage that must not be read."""
+    cache beyond each row's start holds garbage that must not be read; each new token looks
+    0..2 positions ahead (lookahead [B, S]), so every face is checked with the mask it opens."""
+    lookahead = torch.randint(0, 3, (batch, seq), generator=gen)
     starts = torch.randint(0, cache + 1, (batch,), generator=gen)
     starts[0] = 0
     position_ids = starts.unsqueeze(1) + torch.arange(seq)
@@ -158,14 +160,16 @@ def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dty
     return (_randn(gen, batch, seq, NQ * D, dtype=dtype), _randn(gen, batch, seq, NKV * D, dtype=dtype),
             _randn(gen, batch, seq, NKV * D, dtype=dtype), _randn(gen, batch, NKV, cache, D, dtype=dtype),
             _randn(gen, batch, NKV, cache, D, dtype=dtype), position_ids,
-            freqs.cos() * scaling, freqs.sin() * scaling)
+            freqs.cos() * scaling, freqs.sin() * scaling, lookahead)
 
 
-def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, window: int, scale: float):
+def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, window: int,
+                    scale: float, rope_layout: int = 0):
     """The op's documented semantics, one row, head and token at a time, in float64 numpy."""
     q, k, v, pk, pv, pos, cos_t, sin_t = (_np(x).astype(np.float64) if i != 5 else _np(x)
                                           for i, x in enumerate((q, k, v, past_key, past_value, position_ids,
                                                                  cos_cache, sin_cache)))
+    ahead = np.broadcast_to(_np(lookahead), pos.shape)
     b, s, _ = q.shape
     nkv, d = pk.shape[1], pk.shape[3]
     nq = q.shape[2] // d
@@ -173,24 +177,25 @@ def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_
     new_k = np.zeros((b, nkv, s, d))
     new_v = np.zeros((b, nkv, s, d))
 
-    def rot(x, p):
-        c, sn = np.concatenate([cos_t[p]] * 2), np.concatenate([sin_t[p]] * 2)
+    def rot(x, r, t):  # token t of row b: the table at its position, or (layout 1) its own values
+        half_c, half_s = (cos_t[r, t], sin_t[r, t]) if rope_layout else (cos_t[pos[r, t]], sin_t[pos[r, t]])
+        c, sn = np.concatenate([half_c] * 2), np.concatenate([half_s] * 2)
         return x * c + np.concatenate([-x[d // 2:], x[: d // 2]]) * sn
 
     for r in range(b):
         start = pos[r, 0]
         for t in range(s):
             for j in range(nkv):
-                new_k[r, j, t] = rot(k[r, t, j * d:(j + 1) * d], pos[r, t])
+                new_k[r, j, t] = rot(k[r, t, j * d:(j + 1) * d], r, t)
                 new_v[r, j, t] = v[r, t, j * d:(j + 1) * d]
         for t in range(s):
             p = pos[r, t]
             for h in range(nq):
                 j = h // (nq // nkv)
-                qh = rot(q[r, t, h * d:(h + 1) * d], p)
+                qh = rot(q[r, t, h * d:(h + 1) * d], r, t)
                 keys = [(pk[r, j, c], pv[r, j, c], c) for c in range(start)]
                 keys += [(new_k[r, j, u], new_v[r, j, u], pos[r, u]) for u in range(s)]
-                keys = [(kk, vv) for kk, vv, kp in keys if kp <= p and (window == 0 or kp > p - window)]
+                keys = [(kk, vv) for kk, vv, kp in keys if kp <= p + ahead[r, t] and (window == 0 or kp > p - window)]
                 sc = np.array([qh @ kk for kk, _ in keys]) * scale
                 w = np.exp(sc - sc.max())
                 w /= w.sum()
@@ -198,9 +203,24 @@ def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_
     return out, new_k, new_v
 
 
-def _attention_dyn():
+def _attention_dyn(rope_layout: int = 0):
     b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
-    return ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}, {0: b, 2: c}, {0: b, 2: c}, {0: b, 1: s}, None, None)
+    rope = {0: b, 1: s} if rope_layout else None  # per-token [B, S, D/2], or a table
+    return ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}, {0: b, 2: c}, {0: b, 2: c}, {0: b, 1: s}, rope, rope,
+            {0: b, 1: s})
+
+
+def attention_export(exported, window: int, scale: float, kv_update: int = 0, rope_layout: int = 0) -> Exported:
+    """The op alone with these attributes, exported once per file (lookahead a [B, S] input)."""
+    attrs = (NQ, NKV, window, scale, kv_update, rope_layout)
+
+    def make():
+        inputs = list(attention_inputs(_gen(0), 3, 4, 6))
+        if rope_layout:
+            inputs[6], inputs[7] = inputs[6][inputs[5]], inputs[7][inputs[5]]
+        return OpModule("Attention", attrs), tuple(inputs), _attention_dyn(rope_layout)
+
+    return exported(("attention", *attrs), make)
 
 
 def _moe_dyn():
@@ -404,13 +424,15 @@ class EveryOp(torch.nn.Module):
         self.wk = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
         self.wv = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
         self.wo = torch.nn.Parameter(_randn(g, NQ * D, C, scale=0.3))
-        _, _, _, _, _, _, cos, sin = attention_inputs(g, 1, 1, 1)
+        _, _, _, _, _, _, cos, sin, _ = attention_inputs(g, 1, 1, 1)
         self.cos, self.sin = torch.nn.Buffer(cos), torch.nn.Buffer(sin)
 
     def forward(self, x, pool, slot_idx, seq_lens, past_key, past_value, position_ids):
         y, new_state = R.torch_op("ShortConv")(x, self.weight, self.bias, pool, slot_idx, seq_lens, C)
         a, new_k, new_v = R.torch_op("Attention")(y @ self.wq, y @ self.wk, y @ self.wv, past_key, past_value,
-                                                  position_ids, self.cos, self.sin, NQ, NKV, 0, D ** -0.5)
+                                                  position_ids, self.cos, self.sin,
+                                                  torch.zeros(1, 1, dtype=torch.int64),  # a text model's constant
+                                                  NQ, NKV, 0, D ** -0.5)
         flat = (a @ self.wo).reshape(-1, C)
         out = R.torch_op("MoE")(flat, flat @ self.router.T, self.gate_up, self.down, self.expert_bias,
                                 TOP_K, 1, 1, 1e-6, 2.0)
@@ -419,7 +441,7 @@ class EveryOp(torch.nn.Module):
 
 def _every_op_inputs(gen, batch, seq, cache):
     x, _, _, pool, slot_idx, seq_lens = short_conv_inputs(gen, batch, seq)
-    _, _, _, past_key, past_value, position_ids, _, _ = attention_inputs(gen, batch, seq, cache)
+    _, _, _, past_key, past_value, position_ids, _, _, _ = attention_inputs(gen, batch, seq, cache)
     return x, pool, slot_idx, seq_lens, past_key, past_value, position_ids
 
 
@@ -834,9 +856,7 @@ def test_attention_matches_documented_semantics(exported, face, window, size):
     if face == "torch":
         got = R.torch_op("Attention")(*inputs, *attrs)
     else:
-        ex = exported(("attention", window), lambda: (OpModule("Attention", attrs), attention_inputs(_gen(0), 3, 4, 6),
-                                                      _attention_dyn()))
-        got = ex.run(*inputs)
+        got = attention_export(exported, window, 0.3).run(*inputs)
     for name, g, w in zip(("out", "new_key", "new_value"), got, want):
         assert_close(g, w, what=f"{face} {name} window={window} size={size}")
 
@@ -856,6 +876,144 @@ def test_attention_ignores_cache_rows_at_or_after_a_rows_start():
     inputs[3][1, :, : int(starts[1])] += 1.0  # and the rows before the start are read
     if int(starts[1]) > 0:
         assert not torch.equal(op(*inputs, NQ, NKV, 0, 0.25)[0][1], base[0][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention's lookahead: Gemma3's images, bidirectional within an image, as transformers masks them
+
+# Each row's whole prompt, one letter per token: "t" text, an upper-case letter one image's
+# tokens (adjacent letters: adjacent images), then how many tokens are cached before this step
+# (never inside an image: the runtime keeps an image in one chunk). Images at a step's start,
+# middle and end, two back to back, a row that ends on an image; rows of different lengths, so
+# the shorter ones are padded (padding's lookahead is 0).
+LOOKAHEAD_ROWS = (("ttAAAtBBttt", 0), ("tttttCCCCtt", 5), ("tttDDDEE", 2))
+
+
+def _block_ids(prompt: str) -> torch.Tensor:
+    """transformers' block_sequence_ids: an image's index for its tokens, -1 for text."""
+    letters = sorted({c for c in prompt if c != "t"})
+    return torch.tensor([letters.index(c) if c != "t" else -1 for c in prompt])
+
+
+def _lookahead_step(gen, window: int):
+    """(op inputs with lookahead [B, S], real new tokens per row, transformers' mask per row
+    [new real tokens, cached + new real tokens]) for LOOKAHEAD_ROWS as one step."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function, or_masks,
+                                            sliding_window_overlay)
+
+    seq = max(len(p) - start for p, start in LOOKAHEAD_ROWS)
+    cache = max(len(p) for p, _ in LOOKAHEAD_ROWS) + 2
+    inputs = list(attention_inputs(gen, len(LOOKAHEAD_ROWS), seq, cache))
+    starts = torch.tensor([start for _, start in LOOKAHEAD_ROWS])
+    inputs[5] = starts.unsqueeze(1) + torch.arange(seq)  # padding continues each row's positions
+    lookahead = torch.zeros(len(LOOKAHEAD_ROWS), seq, dtype=torch.int64)
+    real, masks = [], []
+    for b, (prompt, start) in enumerate(LOOKAHEAD_ROWS):
+        for t in range(start, len(prompt)):  # an image token sees up to its image's last token
+            end = t
+            while prompt[t] != "t" and end + 1 < len(prompt) and prompt[end + 1] == prompt[t]:
+                end += 1
+            lookahead[b, t - start] = end - t
+        blocks = _block_ids(prompt).unsqueeze(0)
+        mask_fn = or_masks(causal_mask_function, blockwise_overlay(blocks))
+        if window:
+            mask_fn = and_masks(sliding_window_overlay(window), mask_fn)
+        q_idx = torch.arange(start, len(prompt)).unsqueeze(1)
+        masks.append(mask_fn(torch.tensor(0), torch.tensor(0), q_idx, torch.arange(len(prompt)).unsqueeze(0)))
+        real.append(len(prompt) - start)
+    inputs[8] = lookahead
+    return tuple(inputs), real, masks
+
+
+def _masked_attention(inputs, real, masks, scale: float):
+    """out [B, S, Nq*D] (real tokens; padding left 0) and the rotated new keys [B, Nkv, S, D],
+    in float64 with the given boolean masks over (cached + new) keys: the op's rotary and
+    grouped heads written out plainly, the mask taken as given."""
+    q, k, v, past_key, past_value, pos, cos_t, sin_t, _ = (x.double() if x.is_floating_point() else x for x in inputs)
+    b, s, _ = q.shape
+    d = past_key.shape[-1]
+
+    def rotate(x, c, sn):  # x [..., S, D]; c, sn [S, D/2]
+        c, sn = torch.cat((c, c), -1), torch.cat((sn, sn), -1)
+        return x * c + torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1) * sn
+
+    out = torch.zeros_like(q)
+    new_k = torch.zeros(b, NKV, s, d, dtype=torch.float64)
+    for r in range(b):
+        c, sn = cos_t[pos[r]], sin_t[pos[r]]
+        qr = rotate(q[r].view(s, NQ, d).transpose(0, 1), c, sn)  # [Nq, S, D]
+        kr = rotate(k[r].view(s, NKV, d).transpose(0, 1), c, sn)
+        new_k[r] = kr
+        start, n = int(pos[r, 0]), real[r]
+        keys = torch.cat((past_key[r, :, :start], kr[:, :n]), 1)  # [Nkv, start + n, D]
+        values = torch.cat((past_value[r, :, :start], v[r].view(s, NKV, d).transpose(0, 1)[:, :n]), 1)
+        heads = torch.arange(NQ) // (NQ // NKV)
+        scores = (qr[:, :n] @ keys[heads].transpose(1, 2)) * scale  # [Nq, n, start + n]
+        probs = torch.softmax(scores.masked_fill(~masks[r], float("-inf")), -1)
+        out[r, :n] = (probs @ values[heads]).transpose(0, 1).reshape(n, NQ * d)
+    return out, new_k
+
+
+@pytest.mark.parametrize("kv_update", [0, 1])
+@pytest.mark.parametrize("window", [0, 3], ids=["full", "sliding"])
+@pytest.mark.parametrize("face", FACES)
+def test_lookahead_is_transformers_block_mask(exported, face, window, kv_update):
+    """lookahead = distance to the image's last token gives OR(causal, same block) on full
+    layers and AND(sliding, OR(causal, same block)) on sliding ones (transformers' Gemma3
+    masks, built here from block ids with transformers' own mask functions)."""
+    inputs, real, masks = _lookahead_step(_gen(60), window)
+    assert any(m.triu(1 + m.shape[1] - m.shape[0]).any() for m in masks), "no token sees ahead: the test has no teeth"
+    scale = 0.3
+    want_out, want_k = _masked_attention(inputs, real, masks, scale)
+    if face == "torch":
+        got = R.torch_op("Attention")(*inputs, NQ, NKV, window, scale, kv_update)
+    else:
+        got = [torch.from_numpy(o) for o in attention_export(exported, window, scale, kv_update).run(*inputs)]
+    for r, n in enumerate(real):  # padding's outputs are not part of the contract
+        assert_close(got[0][r, :n], want_out[r, :n], what=f"{face} out row {r}")
+        rows = got[1][r, :, :n] if kv_update == 0 else got[1][r, :, inputs[5][r, :n]]
+        assert_close(rows, want_k[r, :, :n], what=f"{face} rotated keys row {r}")
+
+
+def _mrope(gen, batch: int, seq: int, sections=(2, 3, 3)):
+    """M-RoPE-like per-token cos/sin [B, S, D/2]: three position streams (temporal, height,
+    width; equal on text tokens, apart on image ones) and frequency section j read at stream
+    j % 3's position — an independent gather, frequency by frequency."""
+    assert sum(sections) == D // 2
+    _, _, _, _, _, _, cos_t, sin_t, _ = attention_inputs(gen, 1, 1, 1)
+    streams = torch.randint(0, POSITIONS, (3, batch, seq), generator=gen)
+    streams[:, :, :2] = streams[0, :, :2]  # text tokens: one position on all three streams
+    stream_of = [j % 3 for j, n in enumerate(sections) for _ in range(n)]
+    cos = torch.empty(batch, seq, D // 2)
+    sin = torch.empty(batch, seq, D // 2)
+    for i, st in enumerate(stream_of):
+        cos[..., i], sin[..., i] = cos_t[streams[st], i], sin_t[streams[st], i]
+    return cos, sin
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("size", [(3, 4, 6), (2, 1, 9)], ids=["prefill_after_cache", "decode"])
+def test_per_token_rotary(exported, face, size):
+    """rope_layout=1: cos/sin equal to the gathered tables give exactly layout 0's outputs;
+    M-RoPE-like mixes match the documented semantics computed independently (float64)."""
+    inputs = list(attention_inputs(_gen(70 + size[1]), *size))
+    gathered = list(inputs)
+    gathered[6], gathered[7] = inputs[6][inputs[5]], inputs[7][inputs[5]]
+    mixed = list(inputs)
+    mixed[6], mixed[7] = _mrope(_gen(71), size[0], size[1])
+    if face == "torch":
+        def run(args, layout):
+            return R.torch_op("Attention")(*args, NQ, NKV, 0, 0.3, 0, layout)
+    else:
+        def run(args, layout):
+            return [torch.from_numpy(o) for o in attention_export(exported, 0, 0.3, 0, layout).run(*args)]
+    for g, w in zip(run(gathered, 1), run(inputs, 0)):
+        assert torch.equal(g, w), f"{face}: per-token tables differ from the gathered ones"
+    want = naive_attention(*mixed, window=0, scale=0.3, rope_layout=1)
+    got = run(mixed, 1)
+    for name, g, w in zip(("out", "new_key", "new_value"), got, want):
+        assert_close(g, w, what=f"{face} M-RoPE {name} at {size}")
+    assert not torch.allclose(got[1], run(inputs, 0)[1]), "the mix rotates like the tables: the test has no teeth"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -927,9 +1085,12 @@ def test_every_in_place_op_has_a_case():
     assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv"}
     for name, mod in mods.items():
         spec = R.specs()[name]
-        attr = spec.attributes[-1]  # last, so callers that predate it still line up
+        required = [a for a in spec.attributes if a.default is None]
+        # right after the required attributes, so callers pass (*required, mode) positionally
+        attr = spec.attributes[len(required)]
+        assert spec.attributes[:len(required)] == tuple(required)
         assert (attr.name, attr.kind, attr.default) == (mod.IN_PLACE_ATTR, "int", 0)
-        assert len(IN_PLACE_CASES[name].attrs) == len(spec.attributes) - 1
+        assert len(IN_PLACE_CASES[name].attrs) == len(required)
         assert len(IN_PLACE_CASES[name].state_inputs) == len(spec.outputs) - 1
 
 

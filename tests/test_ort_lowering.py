@@ -227,3 +227,205 @@ def test_no_moe_is_a_no_op():
     before = m.SerializeToString()
     assert lower_moe_for_onnxruntime(m) == 0
     assert m.SerializeToString() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# lower_attention_for_onnxruntime with per-token rotary (rope_layout=1, M-RoPE): q and k rotated
+# by RotaryEmbedding in the graph, GroupQueryAttention without its own rotary. A two-layer
+# module (full then sliding attention, both reading one in-graph M-RoPE cos/sin pair) runs a
+# ragged prefill and decode steps on the lowered graph, with each step's present buffers fed
+# back as the next step's past, against the module in torch.
+
+from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime  # noqa: E402
+from graphkiln.manifest import GraphSpec, TensorSpec  # noqa: E402
+
+A_HID, A_NQ, A_NKV, A_D, A_POS, A_CACHE = 32, 4, 2, 16, 64, 16
+A_WINDOWS = (0, 3)  # layer 0 full, layer 1 sliding
+SECTIONS = (2, 3, 3)  # M-RoPE frequency sections over D/2 = 8: stream j % 3 each
+
+
+class _MRoPEAttention(torch.nn.Module):
+    """Residual graphkiln.Attention layers (rope_layout=1) over one per-token cos/sin pair
+    computed from 3-D rotary positions (Qwen2.5-VL's M-RoPE), as the decoder computes it."""
+
+    def __init__(self, dtype=torch.float32, lookahead_input: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+
+        def w(*shape):
+            return torch.nn.Parameter((torch.randn(*shape, generator=g) * 0.3).to(dtype))
+
+        self.wq = torch.nn.ParameterList([w(A_HID, A_NQ * A_D) for _ in A_WINDOWS])
+        self.wk = torch.nn.ParameterList([w(A_HID, A_NKV * A_D) for _ in A_WINDOWS])
+        self.wv = torch.nn.ParameterList([w(A_HID, A_NKV * A_D) for _ in A_WINDOWS])
+        self.wo = torch.nn.ParameterList([w(A_NQ * A_D, A_HID) for _ in A_WINDOWS])
+        inv = 1.0 / (100.0 ** (torch.arange(0, A_D, 2, dtype=torch.float32) / A_D))
+        freqs = torch.arange(A_POS, dtype=torch.float32).unsqueeze(1) * inv
+        self.cos_t, self.sin_t = torch.nn.Buffer(freqs.cos()), torch.nn.Buffer(freqs.sin())
+        self.lookahead_input = lookahead_input
+
+    def forward(self, hidden_states, position_ids, rope_position_ids, *rest):
+        if self.lookahead_input:
+            lookahead, states = rest[0], rest[1:]
+        else:
+            lookahead, states = torch.zeros(1, 1, dtype=torch.int64), rest
+
+        def per_token(table):
+            streams = table[rope_position_ids]  # [3, B, S, D/2]
+            return torch.cat([part[j % 3] for j, part in enumerate(streams.split(SECTIONS, dim=-1))], dim=-1)
+
+        cos, sin = per_token(self.cos_t), per_token(self.sin_t)
+        x, new = hidden_states, []
+        for i, window in enumerate(A_WINDOWS):
+            out, nk, nv = torch.ops.graphkiln.attention(
+                x @ self.wq[i], x @ self.wk[i], x @ self.wv[i], states[2 * i], states[2 * i + 1], position_ids, cos,
+                sin, lookahead, A_NQ, A_NKV, window, A_D ** -0.5, 0, 1)
+            x = x + out @ self.wo[i]
+            new += [nk, nv]
+        return (x, *new)
+
+
+def _attention_spec(dtype: str, lookahead_input: bool = False) -> GraphSpec:
+    ins = [TensorSpec("hidden_states", dtype, ("batch", "seq", A_HID), "hidden_states"),
+           TensorSpec("position_ids", "int64", ("batch", "seq"), "position_ids"),
+           TensorSpec("rope_position_ids", "int64", (3, "batch", "seq"), "rope_position_ids")]
+    if lookahead_input:
+        ins.append(TensorSpec("lookahead", "int64", ("batch", "seq"), "lookahead"))
+    outs = [TensorSpec("hidden_out", dtype, ("batch", "seq", A_HID), "hidden_states")]
+    for i in range(len(A_WINDOWS)):
+        for kind in ("key", "value"):
+            ins.append(TensorSpec(f"past_{kind}.{i}", dtype, ("batch", A_NKV, "cache_len", A_D), f"past_{kind}", i))
+            outs.append(TensorSpec(f"new_{kind}.{i}", dtype, ("batch", A_NKV, "seq", A_D), f"new_{kind}", i))
+    return GraphSpec(name="stage0", file="stage0.onnx", inputs=tuple(ins), outputs=tuple(outs), opset=23)
+
+
+def _export_attention(module, spec: GraphSpec) -> onnx.ModelProto:
+    R.register_torch_ops()
+    b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
+    dims = {"hidden_states": {0: b, 1: s}, "position_ids": {0: b, 1: s}, "rope_position_ids": {1: b, 2: s},
+            "lookahead": {0: b, 1: s}}
+    dtype = module.wq[0].dtype
+    example = {"hidden_states": torch.zeros(2, 3, A_HID, dtype=dtype),
+               "position_ids": torch.arange(3).repeat(2, 1), "rope_position_ids": torch.arange(3).repeat(3, 2, 1),
+               "lookahead": torch.zeros(2, 3, dtype=torch.int64)}
+    args, dyn = [], []
+    for t in spec.inputs:
+        args.append(example.get(t.name, torch.zeros(2, A_NKV, 5, A_D, dtype=dtype)))
+        dyn.append(dims.get(t.name, {0: b, 2: c}))
+    prog = torch.onnx.export(module.eval(), tuple(args), dynamo=True, opset_version=23, verbose=False,
+                             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
+                             custom_translation_table=R.translation_table(),
+                             dynamic_shapes=(dyn[0], dyn[1], dyn[2], tuple(dyn[3:])))  # forward(..., *rest)
+    R.attach_functions(prog.model)
+    return prog.model_proto
+
+
+@pytest.fixture(scope="module")
+def mrope_graphs():
+    """(module, lowered model, lowered spec, rewritten nodes) in fp32."""
+    module = _MRoPEAttention()
+    spec = _attention_spec("float32")
+    lowered = _export_attention(module, spec)
+    new_spec, n = lower_attention_for_onnxruntime(lowered, spec)
+    return module, lowered, new_spec, n
+
+
+def _step_inputs(rng, starts, lengths, seq, image_rows=()):
+    """position_ids continuing each row's cache; rotary positions on 3 streams, apart (an
+    image) for the tokens of ``image_rows`` and equal elsewhere."""
+    pos = torch.tensor(starts).unsqueeze(1) + torch.arange(seq)
+    rope = pos.unsqueeze(0).repeat(3, 1, 1) + 2
+    for r in image_rows:
+        n = lengths[r]
+        rope[1, r, :n] = torch.from_numpy(rng.integers(0, A_POS - 1, n))
+        rope[2, r, :n] = torch.from_numpy(rng.integers(0, A_POS - 1, n))
+    return pos, rope
+
+
+def test_per_token_rotary_lowers_to_rotary_embedding_and_gqa(mrope_graphs):
+    module, lowered, spec, n = mrope_graphs
+    assert n == len(A_WINDOWS)
+    ops = [(nd.domain, nd.op_type) for nd in lowered.graph.node]
+    assert not any(d == DOMAIN for d, _ in ops) and not any(f.domain == DOMAIN for f in lowered.functions)
+    assert ops.count(("", "RotaryEmbedding")) == 2 * len(A_WINDOWS)  # q and k of each layer
+    for nd in lowered.graph.node:
+        if nd.op_type == "GroupQueryAttention":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+            assert attrs["do_rotary"] == 0 and len(nd.input) == 7  # no cos/sin: q and k come rotated
+            assert all(i.endswith("_rotated") for i in nd.input[:2])
+    assert [t.role for t in spec.outputs].count("present_key") == len(A_WINDOWS)
+
+
+def test_per_token_rotary_lowered_matches_torch_over_prefill_and_decode(mrope_graphs):
+    module, lowered, spec, _ = mrope_graphs
+    from graphkiln.ops.attention import write_rows
+
+    sess = _session(lowered)
+    names = [o.name for o in sess.get_outputs()]
+    rng = np.random.default_rng(3)
+    lengths = [6, 4]  # ragged prefill: row 1 padded, its padding continuing its positions
+    cache_t = [torch.zeros(2, A_NKV, A_CACHE, A_D) for _ in range(2 * len(A_WINDOWS))]
+    cache_o = [c.numpy().copy() for c in cache_t]
+    starts, seq = [0, 0], 6
+    for step in range(4):
+        image_rows = (0, 1) if step == 0 else ()
+        pos, rope = _step_inputs(rng, starts, lengths, seq, image_rows)
+        x = torch.from_numpy(rng.standard_normal((2, seq, A_HID)).astype(np.float32))
+        with torch.no_grad():
+            want = module(x, pos, rope, *cache_t)
+        feeds = {"hidden_states": x.numpy(), "position_ids": pos.numpy(), "rope_position_ids": rope.numpy(),
+                 "seq_lens": np.array(lengths, np.int64),
+                 "total_sequence_length": np.array(max(s + n for s, n in zip(starts, lengths)), np.int32)}
+        feeds.update({f"past_{kind}.{i}": cache_o[2 * i + j] for i in range(len(A_WINDOWS))
+                      for j, kind in enumerate(("key", "value"))})
+        got = dict(zip(names, sess.run(None, feeds)))
+        for r, n in enumerate(lengths):  # padding tokens' outputs are not part of the contract
+            assert _rel(got["hidden_out"][r, :n], want[0][r, :n].numpy()) <= RTOL, (step, r)
+        real = [p[:n] for p, n in zip(pos, lengths)]
+        for i in range(len(A_WINDOWS)):
+            for j, kind in enumerate(("key", "value")):
+                rows = want[1 + 2 * i + j]
+                for r, p in enumerate(real):  # the reference's cache: each row's real rows written
+                    cache_t[2 * i + j][r:r + 1] = write_rows(cache_t[2 * i + j][r:r + 1], rows[r:r + 1, :, :len(p)],
+                                                             p.unsqueeze(0))
+                present = got[f"present_{kind}.{i}"]
+                for r, p in enumerate(real):
+                    want_rows = cache_t[2 * i + j][r][:, p].numpy()
+                    assert _rel(present[r][:, p.numpy()], want_rows) <= RTOL, (step, kind, i, r)
+                cache_o[2 * i + j] = present
+        starts = [s + n for s, n in zip(starts, lengths)]
+        lengths, seq = [1, 1], 1  # decode: rows at different lengths
+
+
+def test_per_token_rotary_casts_cos_sin_once_for_every_layer():
+    """fp16: cos/sin (fp32, computed in the graph) are cast to the query's type once, not per
+    layer; the lowered prefill agrees with the function body within fp16 rounding."""
+    module = _MRoPEAttention(dtype=torch.float16)
+    spec = _attention_spec("float16")
+    model = _export_attention(module, spec)
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(model)
+    _, n = lower_attention_for_onnxruntime(lowered, spec)
+    assert n == len(A_WINDOWS)
+    casts = [nd for nd in lowered.graph.node if nd.op_type == "Cast" and nd.name.endswith(".as_float16")]
+    assert len(casts) == 2  # cos and sin
+    rng = np.random.default_rng(5)
+    pos, rope = _step_inputs(rng, [0], [5], 5, image_rows=(0,))
+    x = rng.standard_normal((1, 5, A_HID)).astype(np.float16)
+    feeds = {"hidden_states": x, "position_ids": pos.numpy(), "rope_position_ids": rope.numpy()}
+    feeds.update({t.name: np.zeros((1, A_NKV, A_CACHE, A_D), np.float16) for t in spec.inputs if t.layer is not None})
+    want = _session(model).run(None, feeds)[0]
+    lengths = {"seq_lens": np.array([5]), "total_sequence_length": np.array(5, np.int32)}
+    got = _session(lowered).run(None, {**feeds, **lengths})[0]
+    assert got.dtype == np.float16 and _rel(got, want) < 3e-3
+
+
+def test_a_lookahead_input_keeps_the_function():
+    """GQA has no lookahead: a node fed a non-constant one (Gemma3's images) is not lowered,
+    and the graph is left as it was (rows contract, the op's function)."""
+    module = _MRoPEAttention(lookahead_input=True)
+    spec = _attention_spec("float32", lookahead_input=True)
+    model = _export_attention(module, spec)
+    before = model.SerializeToString()
+    new_spec, n = lower_attention_for_onnxruntime(model, spec)
+    assert n == 0 and new_spec == spec and model.SerializeToString() == before

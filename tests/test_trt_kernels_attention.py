@@ -7,7 +7,7 @@ kernel implements in place. Cache rows no token may see (positions >= a row's st
 with a large poison value first, so a kernel that read them would be far off.
 
 AOT: every KernelSpec compiles to PTX for sm_80 and sm_90 in fp16, bf16 and fp32 with exactly
-(8 input pointers, 3 int32 scalars, 3 output pointers) — in a subprocess without
+(9 input pointers, 3 int32 scalars, 3 output pointers) — in a subprocess without
 TRITON_INTERPRET: once a kernel has run in the interpreter, Triton 3.2 has patched
 ``triton.language`` with the interpreter's builder for the rest of the process, and
 compiling anything there fails.
@@ -92,6 +92,13 @@ class Case:
     lengths: tuple[int, ...] | None = None  # real tokens per row (the rest is padding); None = all
     block_m: int | None = None
     block_n: int | None = None
+    # lookahead: "causal" (a constant zero [1, 1], as text models pass it), or "blocks": per
+    # row b, ``blocks[b]`` = ((first, end), ...) image blocks of token indexes within the row's
+    # real tokens, whose tokens see up to the block's last one ([B, S]; with one row, [1, S]
+    # broadcasts nothing but still exercises the batch-dim stride)
+    lookahead: str = "causal"
+    blocks: tuple = ()
+    rope_layout: int = 0  # 1: per-token cos/sin [B, S, D/2] at rotary positions unlike the cache's
 
     @property
     def batch(self) -> int:
@@ -118,13 +125,23 @@ def _inputs(case: Case, dtype, seed: int):
         past_v[i, :, start:] = -POISON
     pos = torch.tensor(case.starts, dtype=torch.int64)[:, None] + torch.arange(s)[None]
     cos, sin = _tables(max(case.starts) + s + 1, case.d)
-    return q, k, v, past_k, past_v, pos, cos, sin
+    if case.rope_layout == 1:  # e.g. M-RoPE: rotary positions that are not the cache positions
+        rope_pos = torch.randint(0, cos.shape[0], (b, s), generator=g)
+        cos, sin = cos[rope_pos], sin[rope_pos]
+    lookahead = torch.zeros(1, 1, dtype=torch.int64)
+    if case.lookahead == "blocks":
+        lookahead = torch.zeros(b, s, dtype=torch.int64)
+        for row, blocks in enumerate(case.blocks):
+            for first, end in blocks:
+                lookahead[row, first:end] = end - 1 - torch.arange(first, end)
+        assert lookahead.any(), "a lookahead case must open some block"
+    return q, k, v, past_k, past_v, pos, cos, sin, lookahead
 
 
-def _expected(case: Case, q, k, v, past_k, past_v, pos, cos, sin):
+def _expected(case: Case, q, k, v, past_k, past_v, pos, cos, sin, lookahead):
     """Reference out, and the cache with every new row scattered at its position (< C)."""
-    out, new_k, new_v = reference(q, k, v, past_k, past_v, pos, cos, sin, case.nq, case.nkv, case.window,
-                                  case.d ** -0.5)
+    out, new_k, new_v = reference(q, k, v, past_k, past_v, pos, cos, sin, lookahead, case.nq, case.nkv, case.window,
+                                  case.d ** -0.5, rope_layout=case.rope_layout)
     want_k, want_v = past_k.clone(), past_v.clone()
     written = torch.zeros(past_k.shape[0], past_k.shape[2], dtype=torch.bool)
     for b in range(case.batch):
@@ -145,11 +162,12 @@ def _assert_close(got, want, rel: float, what: str) -> None:
 
 
 def _check(case: Case, dtype, seed: int, kernel=None) -> None:
-    q, k, v, past_k, past_v, pos, cos, sin = _inputs(case, dtype, seed)
-    want_out, want_k, want_v, written = _expected(case, q, k, v, past_k, past_v, pos, cos, sin)
+    q, k, v, past_k, past_v, pos, cos, sin, lookahead = _inputs(case, dtype, seed)
+    want_out, want_k, want_v, written = _expected(case, q, k, v, past_k, past_v, pos, cos, sin, lookahead)
     cache_k, cache_v = past_k.clone(), past_v.clone()  # present_* alias past_*: the kernel writes these
     out = run_attention(q, k, v, cache_k, cache_v, pos, cos, sin, case.nq, case.nkv, case.window, case.d ** -0.5,
-                        kernel=kernel, block_m=case.block_m, block_n=case.block_n)
+                        lookahead=lookahead, rope_layout=case.rope_layout, kernel=kernel, block_m=case.block_m,
+                        block_n=case.block_n)
     tol = TOL[dtype]
     lengths = case.lengths or (case.seq,) * case.batch
     for b, n in enumerate(lengths):  # padding tokens' outputs are not part of the contract
@@ -182,6 +200,30 @@ PREFILL_CASES = {
 }
 
 
+# Gemma3's images (lookahead [B, S]: blocks spanning query tiles, at a row's start and end, two
+# per row) and Qwen2.5-VL's M-RoPE (rope_layout 1: per-token cos/sin), with and without a window
+LOOKAHEAD_CASES = {
+    "gqa-images-tiles": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 7, 30), seq=16, lengths=(16, 5, 9),
+                             block_m=4, block_n=16, lookahead="blocks",
+                             blocks=(((2, 6), (9, 12)), ((0, 3),), ((5, 9),))),
+    "mha-window-images-mrope": Case(nq=2, nkv=2, d=32, cache=32, window=3, starts=(3, 0), seq=12, lengths=(12, 7),
+                                    block_m=2, block_n=16, lookahead="blocks", blocks=(((4, 9),), ((1, 5),)),
+                                    rope_layout=1),
+    "gqa-mrope-decode": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 17, 39), rope_layout=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("name", LOOKAHEAD_CASES)
+def test_lookahead_and_per_token_rotary_match_reference(name, dtype):
+    _check(LOOKAHEAD_CASES[name], dtype, seed=6)
+
+
+def test_decode_kernel_sees_ahead_for_any_seq_len():
+    case = LOOKAHEAD_CASES["gqa-images-tiles"]
+    _check(Case(**{**case.__dict__, "block_m": None}), torch.float32, seed=7, kernel=DECODE)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
 @pytest.mark.parametrize("name", DECODE_CASES)
 def test_decode_matches_reference(name, dtype):
@@ -208,7 +250,7 @@ def test_prefill_kernel_is_correct_for_one_token():
 def test_poisoned_cache_would_be_seen():
     """The poison test has teeth: making the poison visible (start past it) changes out."""
     case = DECODE_CASES["gqa"]
-    q, k, v, past_k, past_v, pos, cos, sin = _inputs(case, torch.float32, 5)
+    q, k, v, past_k, past_v, pos, cos, sin, _ = _inputs(case, torch.float32, 5)
     out = run_attention(q, k, v, past_k.clone(), past_v.clone(), pos, cos, sin, case.nq, case.nkv, 0, 0.25)
     later = pos + 1  # now cache position start (poisoned) is < start and visible
     cos2, sin2 = _tables(int(later.max()) + 1, case.d)
@@ -295,12 +337,14 @@ from graphkiln.plugins_trt.kernels import aot
 from graphkiln.plugins_trt.kernels.attention import KERNELS, DECODE, launch_plan
 cases, dtypes, large_d = json.loads(sys.argv[1])
 rows = []
-def compile_one(spec, nq, nkv, d, window, dtype, arch):
+def compile_one(spec, nq, nkv, d, window, dtype, arch, variant=False):
     s = 1 if spec is DECODE else 16
-    plan = launch_plan(nq, nkv, window, d ** -0.5, (2, s, nq * d), (2, nkv, 64, d), (128, d // 2), dtype=dtype,
-                       kernel=spec)
+    # variant: a lookahead graph input [B, S] and per-token rotary [B, S, D/2] (Gemma3, Qwen2.5-VL)
+    extra = dict(lookahead_shape=(2, s), rope_layout=1) if variant else {}
+    plan = launch_plan(nq, nkv, window, d ** -0.5, (2, s, nq * d), (2, nkv, 64, d),
+                       (2, s, d // 2) if variant else (128, d // 2), dtype=dtype, kernel=spec, **extra)
     ck = aot.compile_kernel(spec, dtype, plan.constexprs, arch, plan.num_warps)
-    rows.append(dict(kernel=spec.name, dtype=dtype, arch=arch, d=d, params=list(ck.params),
+    rows.append(dict(kernel=spec.name, dtype=dtype, arch=arch, d=d, params=list(ck.params), variant=variant,
                      expected=list(aot.expected_params(spec)), shared=ck.shared_mem, name=ck.name,
                      target=f"sm_{arch}" in ck.ptx, threads=ck.block_threads))
 for spec in KERNELS:
@@ -308,6 +352,7 @@ for spec in KERNELS:
     for dtype in dtypes:
         for arch in aot.ARCHS:
             compile_one(spec, nq, nkv, d, window, dtype, arch)
+    compile_one(spec, nq, nkv, d, window, "float16", 90, variant=True)
     if spec is not DECODE:  # the larger tiles: q rows x D and K/V blocks x D
         for dtype in ("float16", "float32"):
             compile_one(spec, 32, 8, large_d, 0, dtype, 90)
@@ -348,9 +393,9 @@ def test_kernel_specs_match_the_op():
 @pytest.mark.parametrize("dtype", AOT_DTYPES)
 @pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
 def test_compiles_with_tensorrt_abi(compiled, kernel, dtype, arch):
-    key = (kernel, dtype, arch, AOT_CASES[kernel][2])
-    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["arch"], r["d"]) == key]
-    assert row["params"] == row["expected"] == [".u64"] * 8 + [".u32"] * 3 + [".u64"] * 3
+    key = (kernel, dtype, arch, AOT_CASES[kernel][2], False)
+    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["arch"], r["d"], r["variant"]) == key]
+    assert row["params"] == row["expected"] == [".u64"] * 9 + [".u32"] * 3 + [".u64"] * 3
     assert row["target"] and row["threads"] == 128 and row["shared"] <= 48 * 1024
 
 
@@ -360,3 +405,12 @@ def test_real_head_dim_fits_default_shared_memory(compiled, kernel, dtype):
     (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["d"]) == (kernel, dtype, LARGE_D)]
     assert row["params"] == row["expected"]
     assert row["shared"] <= 48 * 1024, f"{kernel} {dtype} D={LARGE_D} needs {row['shared']} bytes of shared memory"
+
+
+@pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
+def test_lookahead_input_and_per_token_rotary_compile_with_tensorrt_abi(compiled, kernel):
+    """The constexpr branches the interpreter tests run (indexed lookahead, rope_layout 1)
+    compile too, with the same launch ABI."""
+    (row,) = [r for r in compiled if r["kernel"] == kernel and r["variant"]]
+    assert row["params"] == row["expected"] == [".u64"] * 9 + [".u32"] * 3 + [".u64"] * 3
+    assert row["target"] and row["shared"] <= 48 * 1024

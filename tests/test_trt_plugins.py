@@ -249,9 +249,10 @@ T, H, E, I = 6, 16, 4, 8
 
 
 def _attention_shapes(b, s):
+    """A text model's node: rotary tables, a constant zero lookahead [1, 1]."""
     return {"q": (b, s, NQ * D), "k": (b, s, NKV * D), "v": (b, s, NKV * D), "past_key": (b, NKV, CACHE, D),
             "past_value": (b, NKV, CACHE, D), "position_ids": (b, s), "cos_cache": (64, D // 2),
-            "sin_cache": (64, D // 2)}
+            "sin_cache": (64, D // 2), "lookahead": (1, 1)}
 
 
 def _short_conv_shapes(b, s):
@@ -437,7 +438,7 @@ def test_autotune_offers_each_activation_dtype_with_ids_and_tables_fixed(name):
     d = _defn(name)
     combos = _expand(rules.autotune_types(d))
     assert len(combos) == len(rules.ACTIVATION_DTYPES)
-    fixed = {"Attention": {"position_ids": "INT64", "cos_cache": "FP32", "sin_cache": "FP32"},
+    fixed = {"Attention": {"position_ids": "INT64", "cos_cache": "FP32", "sin_cache": "FP32", "lookahead": "INT64"},
              "ShortConv": {"slot_idx": "INT64", "seq_lens": "INT64"}, "MoE": {"expert_bias": "FP32"}}[name]
     positions = list(d.inputs) + [f"out:{o}" for o in d.outputs]
     for act, combo in zip(rules.ACTIVATION_DTYPES, combos):
@@ -634,7 +635,7 @@ def _symbolic(shapes, constant=()):
 # Dims that are build-time constants in any engine: weights and the head dim / channel count.
 STATIC = {
     "Attention": {("q", 2), ("k", 2), ("v", 2), ("past_key", 1), ("past_key", 3), ("past_value", 1),
-                  ("past_value", 3), ("cos_cache", 1), ("sin_cache", 1)},
+                  ("past_value", 3), ("cos_cache", 1), ("sin_cache", 1), ("lookahead", 0), ("lookahead", 1)},
     "MoE": {("hidden", 1), ("router_logits", 1), ("gate_up", 0), ("gate_up", 1), ("gate_up", 2), ("down", 0),
             ("down", 1), ("down", 2), ("expert_bias", 0)},
     "ShortConv": {("x", 2), ("weight", 0), ("weight", 1), ("bias", 0), ("state_pool", 1), ("state_pool", 2)},
@@ -664,6 +665,44 @@ def test_plans_with_tensorrt_symbolic_dims_equal_plans_with_ints(name, phase):
             assert all(isinstance(x, int) for x in ints.scalars)
             assert len(ints.scalars) == len(ints.kernel.scalars)
             assert all(isinstance(v, (int, float, bool)) for v in ints.constexprs.values())
+
+
+@pytest.mark.parametrize("rope_layout", [0, 1])
+def test_attention_plans_take_a_lookahead_input_and_per_token_rotary(rope_layout):
+    """Gemma3's nodes read lookahead [batch, seq] (a graph input: symbolic dims, indexed) where
+    text models pass a constant [1, 1] (broadcast); Qwen2.5-VL's (rope_layout 1) read cos/sin
+    [batch, seq, D/2]. The symbolic plan equals the int one and picks the kernel's modes."""
+    mod, d = _kernel_module("Attention"), _defn("Attention")
+    attrs = {**_attrs("Attention", 1), "rope_layout": rope_layout}
+    rotary = (2, 5, D // 2) if rope_layout else (64, D // 2)
+    cases = {(1, 1): (0, 0), (2, 5): (1, 1), (2, 1): (1, 0), (1, 5): (0, 1)}  # lookahead shape -> (B, S) indexed
+    for la_shape, indexed in cases.items():
+        shapes = {**_attention_shapes(2, 5), "lookahead": la_shape, "cos_cache": rotary, "sin_cache": rotary}
+        static = {("q", 2), ("k", 2), ("v", 2), ("past_key", 1), ("past_key", 3), ("past_value", 1),
+                  ("past_value", 3), ("cos_cache", len(rotary) - 1), ("sin_cache", len(rotary) - 1)}
+        static |= {("lookahead", i) for i, n in enumerate(la_shape) if n == 1}  # a constant's dims
+        cdiv = rules.make_cdiv(sym_cdiv)
+        for tactic in _tactics(mod):
+            ints = rules.launch_plan(d, attrs, shapes, cdiv, dtype="float16", tactic=tactic, module=mod)
+            symbolic = rules.launch_plan(d, attrs, _symbolic(shapes, static), cdiv, dtype="float16", tactic=tactic,
+                                         module=mod)
+            assert dict(symbolic.constexprs) == dict(ints.constexprs)
+            assert tuple(map(_evaluate, symbolic.grid)) == tuple(ints.grid)
+            c = ints.constexprs
+            assert (c["LOOKAHEAD_B"], c["LOOKAHEAD_S"], c["ROPE_LAYOUT"]) == (*indexed, rope_layout), la_shape
+        rules_out = rules.output_rules(d, shapes, attrs)  # outputs do not depend on either
+        assert [r.aliased_to or r.like for r in rules_out] == ["q", "past_key", "past_value"]
+    bad = [({"lookahead": (3, 5)}, "lookahead's batch dim is 3"), ({"lookahead": (2, 5, 1)}, "lookahead has rank 3"),
+           ({"cos_cache": rotary[1:] if rope_layout else (2, 5, D // 2)}, "cos_cache has rank"),
+           ({"lookahead": (2, 4)}, "lookahead's sequence dim is 4")]
+    if rope_layout:
+        bad.append(({"cos_cache": (2, 4, D // 2)}, "per-token cos_cache's sequence dim is 4"))
+    for change, match in bad:
+        shapes = {**_attention_shapes(2, 5), "cos_cache": rotary, "sin_cache": rotary, **change}
+        with pytest.raises(ValueError, match=match):
+            rules.launch_plan(d, attrs, shapes, aot.ceil_div, dtype="float16", module=mod)
+    with pytest.raises(ValueError, match="rope_layout 2"):
+        rules.launch_plan(d, {**attrs, "rope_layout": 2}, _attention_shapes(2, 5), aot.ceil_div, module=mod)
 
 
 def test_resolve_dim_makes_build_time_constants_ints():
@@ -810,6 +849,8 @@ def _inputs(shapes, dtype, gen):
         if n == "position_ids":
             start = torch.tensor([3, 0])[: s[0]].unsqueeze(1)
             out[n] = (start + torch.arange(s[1])).to(torch.int64)
+        elif n == "lookahead":
+            out[n] = torch.zeros(s, dtype=torch.int64)
         elif n == "slot_idx":
             out[n] = torch.tensor([4, 1])[: s[0]].to(torch.int64)
         elif n == "seq_lens":

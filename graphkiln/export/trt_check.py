@@ -13,8 +13,12 @@ its source and the date read in a header), parsed here at check time:
 * ``graphkiln`` nodes: a known op (``graphkiln.ops.specs()``) with its plugin identity
   (``plugin_namespace``, ``plugin_version``), ``aot=1``, exactly the spec's attributes (those
   with a default may be left off) of the spec's types, the spec's input/output counts, the
-  domain imported at the spec's version, and, for ops with in-place state, the in-place mode
-  (``IN_PLACE_ATTR`` = 1: the plugin aliases its state outputs to its inputs). Their
+  domain imported at the spec's version, for ops with in-place state, the in-place mode
+  (``IN_PLACE_ATTR`` = 1: the plugin aliases its state outputs to its inputs), the element type
+  of each input the plugin takes in one fixed type (``plugins_trt.rules.FIXED_INPUT_DTYPES``:
+  int64 ids and Attention's lookahead, fp32 rotary values) where the graph states it, and
+  Attention's ``rope_layout`` (0 or 1, with cos/sin of rank 2 or 3 where the graph states
+  the rank; a lookahead may be a constant or a graph input, [B|1, S|1] either way). Their
   model-local function bodies are not checked: the parser imports such a node as the plugin
   before it looks for a function;
 * any other domain (``com.microsoft`` contrib ops above all) is an error: the parser has no
@@ -216,13 +220,14 @@ class _Checker:
         from onnx import AttributeProto
 
         types = _types(graph, outer)
+        ranks = _ranks(graph)
         for node in graph.node:
             self.nodes += 1
             name = node.name or (node.output[0] if node.output else "?")
             if node.domain in _STD_DOMAINS:
                 self.standard(node, name, types)
             elif node.domain == _gk_domain():
-                self.custom(node, name)
+                self.custom(node, name, types, ranks)
             elif node.domain == "com.microsoft":
                 self.error(f"com.microsoft.{node.op_type}", name, "is an onnxruntime contrib op, which TensorRT's "
                            "parser does not import: export with --target tensorrt")
@@ -254,10 +259,11 @@ class _Checker:
         if row.restrictions:
             self.restricted[node.op_type] += 1
 
-    def custom(self, node, name: str) -> None:
+    def custom(self, node, name: str, types: dict[str, int], ranks: dict[str, int]) -> None:
         from onnx import helper
 
         from graphkiln.ops import op_modules, specs
+        from graphkiln.plugins_trt.rules import FIXED_INPUT_DTYPES
 
         op = f"{node.domain}.{node.op_type}"
         spec = specs().get(node.op_type)
@@ -296,6 +302,49 @@ class _Checker:
         if in_place is not None and value.get(in_place, fields[in_place].default) != 1:
             self.error(op, name, f"{in_place} is {value.get(in_place, fields[in_place].default)}: the plugin writes "
                        f"its state in place, so set {in_place}=1 (export with --target tensorrt)")
+        inputs = dict(zip(spec.inputs, node.input))
+        for input_name, dtype in FIXED_INPUT_DTYPES.get(spec.name, {}).items():
+            elem = types.get(inputs.get(input_name, ""))
+            want = _DTYPE_ELEM[dtype]
+            if elem is not None and elem != want:
+                self.error(op, name, f"input {input_name} ({inputs[input_name]!r}) is {_type_name(elem)}; the plugin "
+                           f"takes {_type_name(want)}: cast it to {_type_name(want)}")
+        if spec.name == "Attention":
+            self.attention(op, name, value.get("rope_layout", fields["rope_layout"].default), inputs, ranks)
+
+    def attention(self, op: str, name: str, layout, inputs: Mapping[str, str], ranks: dict[str, int]) -> None:
+        """rope_layout picks how the kernel reads cos/sin: tables [P, D/2] or per token [B, S, D/2]."""
+        if layout not in (0, 1):
+            self.error(op, name, f"rope_layout is {_show(layout)}: the plugin takes 0 (cos/sin tables [P, D/2]) or "
+                       "1 (per-token cos/sin [B, S, D/2])")
+            return
+        for input_name, want, why in (("cos_cache", 2 + layout, f"with rope_layout {layout} "),
+                                      ("sin_cache", 2 + layout, f"with rope_layout {layout} "),
+                                      ("lookahead", 2, "")):
+            rank = ranks.get(inputs.get(input_name, ""))
+            if rank is not None and rank != want:
+                self.error(op, name, f"input {input_name} ({inputs[input_name]!r}) has rank {rank}; {why}the plugin "
+                           f"takes rank {want}")
+
+
+_DTYPE_ELEM = {"float32": 1, "float16": 10, "bfloat16": 16, "int64": 7, "int32": 6}  # dtype name -> ONNX elem type
+
+
+def _ranks(graph) -> dict[str, int]:
+    """Ranks the graph states: its inputs' and value_info's shapes, initializers' and Constant
+    nodes' dims (values of unknown rank are left out: nothing to compare)."""
+    ranks = {}
+    for v in list(graph.input) + list(graph.value_info) + list(graph.output):
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            ranks[v.name] = len(v.type.tensor_type.shape.dim)
+    for t in graph.initializer:
+        ranks[t.name] = len(t.dims)
+    for n in graph.node:
+        if n.op_type == "Constant" and n.domain in _STD_DOMAINS:
+            for a in n.attribute:
+                if a.name == "value":
+                    ranks[n.output[0]] = len(a.t.dims)
+    return ranks
 
 
 @cache

@@ -57,13 +57,15 @@ RESERVED_PARAMS = frozenset({"outputs", "stream", "tactic"})
 # first is what a plugin is tuned with first.
 ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 
-# Inputs whose dtype does not follow the model dtype: ids are int64 and the rotary tables fp32
-# constants in the exported graph (graphkiln.export.onnx_export.decoder_io, models.decoder);
+# Inputs whose dtype does not follow the model dtype: ids and Attention's lookahead are int64 and
+# the rotary tables fp32 in the exported graph, constants or (rope_layout 1) per-token values
+# gathered from them (graphkiln.export.onnx_export.decoder_io, models.decoder);
 # MoE's expert_bias is an fp32 routing table (the kernel reads it as fp32, as the reference
 # does; the exporter writes fp32 zeros when a model has no bias). Every other input and output
 # follows the activation dtype. The kernels' ``fixed_dtypes`` must agree (tested).
 FIXED_INPUT_DTYPES: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "Attention": MappingProxyType({"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32"}),
+    "Attention": MappingProxyType({"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32",
+                                   "lookahead": "int64"}),
     "MoE": MappingProxyType({"expert_bias": "float32"}),
     "ShortConv": MappingProxyType({"slot_idx": "int64", "seq_lens": "int64"}),
 })

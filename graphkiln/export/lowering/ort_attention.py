@@ -20,6 +20,21 @@ only in the KV cache:
     [batch, kv_heads, cache_len, head_dim], which the runtime binds to the very buffers it
     feeds as ``past_key.i`` / ``past_value.i`` (manifest state update ``"in_place"``).
 
+Rotary: a ``rope_layout=0`` node's tables go to GQA (``do_rotary=1``, cast to the query's
+type once per table). A ``rope_layout=1`` node's cos/sin are per token [B, S, D/2], computed
+by the graph (M-RoPE), which GQA's rotary cannot take (it gathers tables at positions it
+derives from the cache lengths): q and k are rotated in the graph by the standard
+``RotaryEmbedding`` (opset 23; without position_ids it reads per-token [B, S, D/2] values,
+rotate-half, in the query's type — cos/sin are cast to it once per distinct pair, shared by
+every layer that shares them), then GQA runs with ``do_rotary=0``.
+
+Which nodes stay functions: GQA's mask is causal (and windowed) only, so a node whose
+``lookahead`` is not a constant all-zero tensor (Gemma3's bidirectional images: the graph
+input ``lookahead``) keeps its portable form, run through the op's function. Such a graph
+keeps the rows contract for those layers (``new_key.i`` / ``new_value.i``); the manifest
+derives each state's update from the graph's outputs, so a graph whose nodes all stay
+functions runs exactly as the portable one does.
+
 GQA's limits, which the runtime respects: a step with several new tokens per row (prefill)
 starts from an empty cache for every row (start = 0) unless the batch has one row; decode
 steps (one token per row) may mix rows of any lengths. Types: float32 and float16; head_dim
@@ -38,6 +53,7 @@ from graphkiln.manifest import GraphSpec, TensorSpec
 
 MS_DOMAIN = "com.microsoft"
 _GQA_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+_ROTARY_OPSET = 23  # RotaryEmbedding, which rotates a rope_layout=1 node's q and k, is a standard op from 23
 
 
 def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) -> tuple[GraphSpec, int]:
@@ -51,8 +67,11 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     specs = {t.name: t for t in graph.outputs}
     head_dims = {t.name: t.shape[3] for t in graph.inputs if t.role in ("past_key", "past_value")}
     zeros = _constant_zeros(g)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    layouts = (0, 1) if opset >= _ROTARY_OPSET else (0,)
     targets = [n for n in g.node if n.domain == DOMAIN and n.op_type == "Attention"
-               and types.get(n.input[3]) in _GQA_TYPES and n.input[8] in zeros and _attr(n, "rope_layout", 0) == 0 and all(o in specs for o in n.output[1:])
+               and types.get(n.input[3]) in _GQA_TYPES and n.input[8] in zeros and _attr(n, "rope_layout", 0) in layouts
+               and all(o in specs for o in n.output[1:])
                and isinstance(head_dims.get(n.input[3]), int) and head_dims[n.input[3]] % 16 == 0]
     if not targets:
         return graph, 0
@@ -70,7 +89,7 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
 
     prologue: list[onnx.NodeProto] = []
     lengths: dict[str, str] = {}  # position_ids value -> seqlens_k
-    casts: dict[tuple[str, int], str] = {}  # (table, type) -> the table in the query's type
+    casts: dict[tuple[str, int], str] = {}  # (table or per-token cos/sin, type) -> it in the query's type
     renamed: dict[str, TensorSpec] = {}  # old output name -> new output spec
     new_nodes: list[onnx.NodeProto] = []
     lowered = {id(n) for n in targets}
@@ -83,16 +102,30 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
             lengths[pos] = _seqlens_k(prologue, pos, seq_lens, len(lengths))
         seqlens_k = lengths[pos]
         elem = types[past_k]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        per_token = attrs.get("rope_layout", 0) == 1
         tables = []
         for table in (cos, sin):
             if types.get(table, TensorProto.FLOAT) != elem:
                 key = (table, elem)
                 if key not in casts:
                     casts[key] = f"{table}.as_{TensorProto.DataType.Name(elem).lower()}"
-                    prologue.append(helper.make_node("Cast", [table], [casts[key]], to=elem, name=casts[key]))
+                    cast = helper.make_node("Cast", [table], [casts[key]], to=elem, name=casts[key])
+                    # per-token values are computed by the graph: cast where first read, after
+                    # their producer; tables are initializers, cast up front
+                    (new_nodes if per_token else prologue).append(cast)
                 table = casts[key]
             tables.append(table)
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        rotary: dict = dict(do_rotary=1, rotary_interleaved=0)
+        if per_token:
+            base = node.name or node.output[0]
+            rotated = []
+            for x, heads, what in ((q, attrs["num_heads"], "q"), (k, attrs["num_kv_heads"], "k")):
+                name = f"{base}.{what}_rotated"
+                new_nodes.append(helper.make_node("RotaryEmbedding", [x, *tables], [name], name=name,
+                                                  num_heads=heads, interleaved=0))
+                rotated.append(name)
+            (q, k), tables, rotary = rotated, [], dict(do_rotary=0)
         outs = [node.output[0]]
         for old, role in zip(node.output[1:], ("present_key", "present_value")):
             spec = specs[old]
@@ -104,8 +137,7 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
             "GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total, *tables], outs,
             name=f"{node.name or outs[0]}.gqa", domain=MS_DOMAIN,
             num_heads=attrs["num_heads"], kv_num_heads=attrs["num_kv_heads"], scale=float(attrs["scale"]),
-            local_window_size=attrs["window"] if attrs["window"] > 0 else -1,
-            do_rotary=1, rotary_interleaved=0))
+            local_window_size=attrs["window"] if attrs["window"] > 0 else -1, **rotary))
 
     del g.node[:]
     g.node.extend(prologue + new_nodes)

@@ -20,8 +20,10 @@ TensorRT needs differently:
       [slots, channels, width] (the shape of ``conv_state.i``; conv state update ``"in_place"``).
   The runtime binds each of these outputs to the buffer it feeds as the matching input;
 * inputs a plugin reads in fp32 whatever the model dtype (``FP32_INPUTS``: MoE's routing bias,
-  which a model with a learned bias stores in the model dtype) get a Cast to fp32 (exact:
-  the op's reference routes in fp32 anyway).
+  which a model with a learned bias stores in the model dtype; Attention's cos/sin, tables or,
+  with ``rope_layout=1``, per-token values the graph computes) get a Cast to fp32 where they
+  are not fp32 already (exact: the op's reference rounds them to the activation dtype anyway,
+  and so does the kernel after reading them).
 
 Nothing else changes: the same initializers (the data file is untouched), the model-local
 functions stay attached (onnxruntime runs this graph through them, in the same in-place mode;
@@ -43,8 +45,8 @@ from graphkiln.ops import DOMAIN, op_modules, specs
 
 TRT_OPSET = 23  # RMSNormalization (native in the parser) is an opset-23 op; the parser reads opsets 9-24
 
-# op -> inputs its TensorRT plugin's kernel reads as fp32 (graphkiln.plugins_trt's routing table)
-FP32_INPUTS = {"MoE": ("expert_bias",)}
+# op -> inputs its TensorRT plugin's kernel reads as fp32 (graphkiln.plugins_trt.rules.FIXED_INPUT_DTYPES)
+FP32_INPUTS = {"MoE": ("expert_bias",), "Attention": ("cos_cache", "sin_cache")}
 
 # state output role -> (its role in the lowered graph, its name prefix there)
 _IN_PLACE_OUTPUTS = {"new_key": ("present_key", "present_key"), "new_value": ("present_value", "present_value"),

@@ -1,10 +1,13 @@
 """Triton kernels for ``graphkiln.Attention`` with ``kv_update=1``: the cache is written in place.
 
 Semantics are the op's (``graphkiln.ops.attention``): q and k rotated rotate-half style with
-the fp32 tables gathered at ``position_ids`` (rounded to the activation dtype, as the
-reference does); query head h reads KV head h // (Nq / Nkv); a new token at position p sees
-cached keys at positions < start_b (= position_ids[b, 0]) and new keys at positions
-<= p, and with ``window`` > 0 only keys at positions > p - window; fp32 softmax. Besides
+fp32 cos/sin (rounded to the activation dtype, as the reference does) — ``rope_layout`` 0: the
+tables [P, D/2] gathered at ``position_ids``; 1: per-token values [B, S, D/2] read at the
+token's (row, index) — query head h reads KV head h // (Nq / Nkv); a new token at position p
+sees cached keys at positions < start_b (= position_ids[b, 0]) and new keys at positions
+<= p + lookahead (int64 [B|1, S|1]: a dim of 1 is broadcast, decided at build time as
+constexprs LOOKAHEAD_B / LOOKAHEAD_S), and with ``window`` > 0 only keys at positions
+> p - window; fp32 softmax. Besides
 ``out`` the kernel stores row b's rotated new keys and its values into present_key /
 present_value [B, Nkv, C, D] at positions position_ids[b, s] (positions outside [0, C) are
 skipped). It writes ONLY those rows, so present_* must alias past_* (TensorRT: outputs
@@ -12,8 +15,9 @@ declared ``.aliased()``; ``run_attention``: the same tensors).
 
 Contract relied on (the runtime's, and the op docstring's): row b's tokens sit at positions
 start_b + 0..S-1, padding continuing them. The kernel uses it to skip work (new-key blocks
-after a tile's last query or before its window) and for race freedom; visibility itself is
-decided on the position values, as the reference does.
+past the furthest key a tile's queries may see — its last query plus that query's lookahead —
+or before its window) and for race freedom; visibility itself is decided on the position
+values, as the reference does.
 
 One Triton function, two launch shapes (``KERNELS``): ``attention_decode`` (BLOCK_M = 1 query
 per program) and ``attention_prefill`` (a tile of BLOCK_M queries per program). Both are
@@ -26,7 +30,7 @@ loads serves the whole group: the cache is read once per KV head, not once per q
   1. It rotates its q rows, then streams past_key/past_value[b, h, lo:min(start_b, C)] in
      BLOCK_N blocks (lo = the window's first visible position, rounded down to a block)
      through an online softmax (fp32 max, sum and accumulator).
-  2. It streams the new tokens 0..last query of the tile from k/v, rotating k itself, and
+  2. It streams the new tokens 0..(furthest visible one) from k/v, rotating k itself, and
      stores the rotated keys and the values of its OWN tile's tokens into the cache.
   3. It normalises and writes out for its rows.
 Race freedom in one launch: programs read cache positions < start_b only and write positions
@@ -55,12 +59,12 @@ MAX_HEAD_DIM = 256  # larger heads would need a D-tiled kernel (registers)
 
 @triton.jit
 def attention_kernel(
-    q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache,
+    q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead,
     seq_len, cache_len, rope_len,
     out, present_key, present_value,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, ROPE_LAYOUT: tl.constexpr, LOOKAHEAD_B: tl.constexpr, LOOKAHEAD_S: tl.constexpr,
 ):
     REP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -93,12 +97,24 @@ def attention_kernel(
     head = kvh * REP + r % REP
     row_ok = (r < BLOCK_M * REP) & (s_idx < seq_len)
     q_pos = tl.load(pos_row + s_idx, mask=row_ok, other=0).to(tl.int32)
+    # lookahead [B|1, S|1]: a broadcast dim has stride 0.
+    la_row = lookahead
+    if LOOKAHEAD_B:
+        if LOOKAHEAD_S:
+            la_row = lookahead + b * seq_len
+        else:
+            la_row = lookahead + b
+    q_lim = q_pos + tl.load(la_row + s_idx * LOOKAHEAD_S, mask=row_ok, other=0).to(tl.int32)
     q_off = (b * seq_len + s_idx) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
     q_mask = row_ok[:, None] & d_ok[None, :]
     # Rotary in fp32, each product rounded to the dtype like the reference's per-op dtype
     # arithmetic. Positions outside the table (a broken caller) read nothing: they rotate to 0.
-    t_mask = q_mask & ((q_pos >= 0) & (q_pos < rope_len))[:, None]
-    t_off = q_pos[:, None].to(tl.int64) * HALF + table_col[None, :]
+    if ROPE_LAYOUT == 1:  # per-token [B, S, D/2]
+        t_mask = q_mask
+        t_off = (b * seq_len + s_idx)[:, None] * HALF + table_col[None, :]
+    else:
+        t_mask = q_mask & ((q_pos >= 0) & (q_pos < rope_len))[:, None]
+        t_off = q_pos[:, None].to(tl.int64) * HALF + table_col[None, :]
     cos = tl.load(cos_cache + t_off, mask=t_mask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(sin_cache + t_off, mask=t_mask, other=0.0).to(dt).to(tl.float32)
     x = tl.load(q + q_off[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
@@ -122,7 +138,7 @@ def attention_kernel(
         keys = tl.load(past_key + kv_off, mask=kv_mask, other=0.0).to(dt)
         vals = tl.load(past_value + kv_off, mask=kv_mask, other=0.0).to(dt)
         scores = tl.dot(q_rot, tl.trans(keys), input_precision=PREC) * SCALE
-        vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        vis = n_ok[None, :] & (n[None, :] <= q_lim[:, None])
         if WINDOW > 0:
             vis = vis & (n[None, :] > q_pos[:, None] - WINDOW)
         # Streaming softmax. A row that has seen nothing keeps max -inf: shift it by 0 so
@@ -137,11 +153,14 @@ def attention_kernel(
         m_i = m_new
 
     # 2. New keys, rotated here from k — never read back from the cache other programs write.
-    # Token j sits at position start + j, so tokens after the tile's last query are invisible.
-    # The loop also stores the tile's OWN new tokens into the cache: every cache read of this
+    # Token j sits at position start + j, so tokens after j = s + lookahead of the tile's
+    # furthest-seeing query s are invisible. The loop (which covers the tile's own tokens, as
+    # lookahead >= 0) also stores those OWN new tokens into the cache: every cache read of this
     # program is done, and the positions (>= start) are ones no program reads.
     own_lo = tile * BLOCK_M
-    j_hi = tl.minimum(own_lo + BLOCK_M, seq_len)
+    own_hi = tl.minimum(own_lo + BLOCK_M, seq_len)
+    furthest = tl.max(tl.where(row_ok, s_idx + (q_lim - q_pos), -1), axis=0) + 1
+    j_hi = tl.minimum(tl.maximum(own_hi, furthest), seq_len)
     j_lo = 0
     if WINDOW > 0:
         j_lo = (tl.maximum(own_lo - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
@@ -151,8 +170,12 @@ def attention_kernel(
         k_pos = tl.load(pos_row + j, mask=j_ok, other=0).to(tl.int32)
         new_off = (b * seq_len + j) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
         new_mask = j_ok[:, None] & d_ok[None, :]
-        k_tmask = new_mask & ((k_pos >= 0) & (k_pos < rope_len))[:, None]
-        k_toff = k_pos[:, None].to(tl.int64) * HALF + table_col[None, :]
+        if ROPE_LAYOUT == 1:
+            k_tmask = new_mask
+            k_toff = (b * seq_len + j)[:, None] * HALF + table_col[None, :]
+        else:
+            k_tmask = new_mask & ((k_pos >= 0) & (k_pos < rope_len))[:, None]
+            k_toff = k_pos[:, None].to(tl.int64) * HALF + table_col[None, :]
         k_cos = tl.load(cos_cache + k_toff, mask=k_tmask, other=0.0).to(dt).to(tl.float32)
         k_sin = tl.load(sin_cache + k_toff, mask=k_tmask, other=0.0).to(dt).to(tl.float32)
         kx = tl.load(k + new_off[:, None] + d[None, :], mask=new_mask, other=0.0).to(tl.float32)
@@ -160,14 +183,14 @@ def attention_kernel(
         new_k = ((kx * k_cos).to(dt).to(tl.float32) + sign[None, :] * (kxp * k_sin).to(dt).to(tl.float32)).to(dt)
         new_v = tl.load(v + new_off[:, None] + d[None, :], mask=new_mask, other=0.0)
 
-        w_ok = j_ok & (j >= own_lo) & (j < j_hi) & (k_pos >= 0) & (k_pos < cache_len)
+        w_ok = j_ok & (j >= own_lo) & (j < own_hi) & (k_pos >= 0) & (k_pos < cache_len)
         w_off = (cache_base + k_pos)[:, None] * HEAD_DIM + d[None, :]
         w_mask = w_ok[:, None] & d_ok[None, :]
         tl.store(present_key + w_off, new_k.to(present_key.dtype.element_ty), mask=w_mask)
         tl.store(present_value + w_off, new_v.to(present_value.dtype.element_ty), mask=w_mask)
 
         s2 = tl.dot(q_rot, tl.trans(new_k), input_precision=PREC) * SCALE
-        vis2 = j_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        vis2 = j_ok[None, :] & (k_pos[None, :] <= q_lim[:, None])
         if WINDOW > 0:
             vis2 = vis2 & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         s2 = tl.where(vis2, s2, float("-inf"))
@@ -183,13 +206,15 @@ def attention_kernel(
     tl.store(out + q_off[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
 
 
-_INPUTS = SPEC.inputs  # q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache
+_INPUTS = SPEC.inputs  # q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead
 _SCALARS = ("seq_len", "cache_len", "rope_len")
 # SPEC's outputs (out, new_key, new_value) in kv_update=1 form: the whole cache, aliased to past_*
 _OUTPUTS = ("out", "present_key", "present_value")
-_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "WINDOW", "SCALE", "BLOCK_M", "BLOCK_N", "BLOCK_D", "ROWS")
-# export writes the rotary tables as fp32 graph constants (DecoderLM.set_rope_positions)
-_FIXED = {"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32"}
+_CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "WINDOW", "SCALE", "BLOCK_M", "BLOCK_N", "BLOCK_D", "ROWS",
+               "ROPE_LAYOUT", "LOOKAHEAD_B", "LOOKAHEAD_S")
+# export writes the rotary tables as fp32 graph constants (DecoderLM.set_rope_positions), and
+# M-RoPE's per-token values are gathered from them in fp32 (DecoderForExport._rope)
+_FIXED = {"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32", "lookahead": "int64"}
 
 DECODE = KernelSpec("attention_decode", attention_kernel, _INPUTS, _SCALARS, _OUTPUTS, _CONSTEXPRS, _FIXED)
 PREFILL = KernelSpec("attention_prefill", attention_kernel, _INPUTS, _SCALARS, _OUTPUTS, _CONSTEXPRS, _FIXED)
@@ -211,17 +236,37 @@ def _pow2(n: int) -> int:
 
 def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_shape, past_key_shape, cos_shape,
                 cdiv=ceil_div, *, dtype: str = "float16", kernel: KernelSpec | None = None,
-                block_m: int | None = None, block_n: int | None = None) -> LaunchPlan:
+                block_m: int | None = None, block_n: int | None = None, lookahead_shape=(1, 1),
+                rope_layout: int = 0) -> LaunchPlan:
     """How to launch ``kernel`` (DECODE or PREFILL; chosen by S when S is an int and kernel is
-    None) for q [B, S, Nq*D] of ``dtype``, past_key [B, Nkv, C, D], cos_cache [P, D/2].
+    None) for q [B, S, Nq*D] of ``dtype``, past_key [B, Nkv, C, D], cos_cache [P, D/2]
+    (``rope_layout`` 0) or [B, S, D/2] (1), lookahead [B|1, S|1].
 
     B, S, C and P may be symbolic (TensorRT ``shape_expr`` entries); D must be an int (it
-    sizes the tiles: the plugin resolves the constant head dim). ``block_m``/``block_n``
-    override the tile sizes (tests; tactics). Raises ValueError for what the kernel cannot run.
+    sizes the tiles: the plugin resolves the constant head dim). A lookahead dim is broadcast
+    only when it is the int 1 (a symbolic dim is indexed, which is right whatever it resolves
+    to, as it equals q's). ``block_m``/``block_n`` override the tile sizes (tests; tactics).
+    Raises ValueError for what the kernel cannot run.
     """
     b, s = q_shape[0], q_shape[1]
     c, d = past_key_shape[2], past_key_shape[3]
     p = cos_shape[0]
+    if rope_layout not in (0, 1) or isinstance(rope_layout, bool):
+        raise ValueError(f"attention kernel: rope_layout {rope_layout!r} is not 0 or 1")
+    want_rank = 2 + rope_layout
+    if len(cos_shape) != want_rank:
+        raise ValueError(f"attention kernel: cos_cache has rank {len(cos_shape)}, rope_layout {rope_layout} "
+                         f"takes rank {want_rank}")
+    if len(lookahead_shape) != 2:
+        raise ValueError(f"attention kernel: lookahead has rank {len(lookahead_shape)}, expected 2 ([B|1, S|1])")
+    broadcast = []
+    for got, want, what in ((lookahead_shape[0], b, "batch"), (lookahead_shape[1], s, "sequence")):
+        if isinstance(got, int) and got == 1:
+            broadcast.append(True)
+        elif isinstance(got, int) and isinstance(want, int) and got != want:
+            raise ValueError(f"attention kernel: lookahead's {what} dim is {got}, expected 1 or {want}")
+        else:
+            broadcast.append(False)
     if dtype not in ITEMSIZE:
         raise ValueError(f"attention kernel: dtype {dtype} is not one of {sorted(ITEMSIZE)}")
     if not isinstance(d, int):
@@ -232,6 +277,10 @@ def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_
         raise ValueError(f"attention kernel: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if window < 0:
         raise ValueError(f"attention kernel: window {window} is negative")
+    if rope_layout == 1:
+        for got, want, what in ((cos_shape[0], b, "batch"), (cos_shape[1], s, "sequence")):
+            if isinstance(got, int) and isinstance(want, int) and got != want:
+                raise ValueError(f"attention kernel: per-token cos_cache's {what} dim is {got}, expected {want}")
     for got, want, what in ((q_shape[2], num_heads * d, "q's last dim"),
                             (past_key_shape[1], num_kv_heads, "past_key's heads"),
                             (cos_shape[-1], d // 2, "cos_cache's last dim")):
@@ -258,16 +307,21 @@ def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_
     constexprs = {
         "NUM_HEADS": num_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": d, "WINDOW": window,
         "SCALE": float(scale), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-        "ROWS": max(16, _pow2(block_m * rep)),
+        "ROWS": max(16, _pow2(block_m * rep)), "ROPE_LAYOUT": rope_layout,
+        "LOOKAHEAD_B": int(not broadcast[0]), "LOOKAHEAD_S": int(not broadcast[1]),
     }
     return LaunchPlan(kernel, constexprs, (cdiv(s, block_m), num_kv_heads, b), (s, c, p), num_warps=4)
 
 
 def run_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads: int,
-                  num_kv_heads: int, window: int, scale: float, *, kernel: KernelSpec | None = None,
-                  block_m: int | None = None, block_n: int | None = None):
+                  num_kv_heads: int, window: int, scale: float, *, lookahead=None, rope_layout: int = 0,
+                  kernel: KernelSpec | None = None, block_m: int | None = None, block_n: int | None = None):
     """Launch on torch tensors: writes the new rows into past_key/past_value IN PLACE (they are
-    present_key/present_value) and returns out [B, S, Nq*D]."""
+    present_key/present_value) and returns out [B, S, Nq*D].
+
+    ``lookahead`` (int64 [B|1, S|1]; None: causal, a zero [1, 1]) is keyword-only so causal
+    callers written before it (scripts/gpu_check.py) keep their positional calls; the plugin's
+    ``impl`` binds every input by name."""
     import torch
 
     b, s, _ = q.shape
@@ -279,13 +333,19 @@ def run_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_ca
     for name, t in (("q", q), ("k", k), ("v", v), ("past_key", past_key), ("past_value", past_value)):
         if not t.is_contiguous():
             raise ValueError(f"attention kernel: {name} must be contiguous")
+    if lookahead is None:
+        lookahead = torch.zeros(1, 1, dtype=torch.int64, device=q.device)
+    if lookahead.dtype != torch.int64:
+        raise ValueError("attention kernel: lookahead must be int64")
     cos_cache = cos_cache.to(torch.float32).contiguous()
     sin_cache = sin_cache.to(torch.float32).contiguous()
     plan = launch_plan(num_heads, num_kv_heads, window, scale, tuple(q.shape), tuple(past_key.shape),
-                       tuple(cos_cache.shape), dtype=dtype, kernel=kernel, block_m=block_m, block_n=block_n)
+                       tuple(cos_cache.shape), dtype=dtype, kernel=kernel, block_m=block_m, block_n=block_n,
+                       lookahead_shape=tuple(lookahead.shape), rope_layout=rope_layout)
     out = torch.empty_like(q)
     if b == 0 or s == 0:
         return out
     plan.kernel.fn[plan.grid](q, k, v, past_key, past_value, position_ids.contiguous(), cos_cache, sin_cache,
-                              *plan.scalars, out, past_key, past_value, num_warps=plan.num_warps, **plan.constexprs)
+                              lookahead.contiguous(), *plan.scalars, out, past_key, past_value,
+                              num_warps=plan.num_warps, **plan.constexprs)
     return out
