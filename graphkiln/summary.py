@@ -36,14 +36,21 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
                     for s in m.states if state_update(g, s) == "in_place"]
         lines.append(f"graph        {g.name}: {g.file} (opset {g.opset}, target {g.target}"
                      + (f"; writes {', '.join(in_place)} state in place" if in_place else "") + ")")
-        shown = [t for t in g.inputs if t.layer in (None, 0)] + [t for t in g.outputs if t.layer in (None, 0)]
+        # a stage's layers need not start at 0: show its first layer's tensors, count the rest
+        layers = sorted({t.layer for t in g.inputs + g.outputs if t.layer is not None})
+        first = layers[0] if layers else None
+        shown = [t for t in g.inputs if t.layer in (None, first)] + [t for t in g.outputs if t.layer in (None, first)]
         width = max([16] + [len(t.name) for t in shown])
         for t in shown:
             kind = "in " if t in g.inputs else "out"
             lines.append(f"  {kind} {t.name:<{width}} {t.dtype:<9} [{', '.join(map(str, t.shape))}]")
-        per_layer = sum(1 for t in g.inputs + g.outputs if t.layer not in (None, 0))
+        per_layer = sum(1 for t in g.inputs + g.outputs if t.layer not in (None, first))
         if per_layer:
-            lines.append(f"  ... and {per_layer} more per-layer state tensors (layers 1..)")
+            lines.append(f"  ... and {per_layer} more per-layer state tensors (layers {_ranges(tuple(layers[1:]))})")
+    for i, st in enumerate(m.stages):
+        lines.append(f"stage        {i}: graph {st.graph}, layers {st.layers[0]}..{st.layers[1] - 1}, "
+                     f"{len(st.states)} state pool(s), files {', '.join(st.files)}"
+                     + ("; its own copy of the tied head" if st.tied_head else ""))
     if m.vision is not None:
         lines.extend(_vision_lines(m))
     for s in m.states:

@@ -190,3 +190,17 @@ def test_manifest_refuses_inconsistent_stages(staged):
     with pytest.raises(GraphkilnError, match="states"):
         Manifest.from_json(json.dumps(bad))
     assert dataclasses.is_dataclass(manifest.stages[0])
+
+
+def test_inspect_shows_each_stage_and_its_own_layers(staged, capsys):
+    from graphkiln.cli import main
+
+    _, out, manifest = staged("lfm2", "0:1,1:2,2:4")
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = [l for l in text.splitlines() if l.startswith("stage ")]
+    assert len(lines) == 3
+    assert "layers 0..0" in lines[0] and "layers 2..3" in lines[2] and "tied head" in lines[2]
+    # the last stage's graph lists its first layer's tensors (layer 2) and counts layer 3's
+    last = text[text.index("graph        stage2"):]
+    assert "conv_state.2" in last and "(layers 3)" in last

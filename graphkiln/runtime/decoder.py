@@ -140,6 +140,9 @@ class DecoderGraph:
         # the folded greedy sampler: argmax per logits row, -1 for a row with NaN/+Inf or no finite value
         self._next_token_at = next((i for i, t in enumerate(spec.outputs) if t.role == "next_token"), None)
         self.has_next_token = self._next_token_at is not None
+        # export --return-hidden-states: final-norm hidden states at the logits positions
+        self._hidden_at = next((i for i, t in enumerate(spec.outputs) if t.role == "last_hidden_state"), None)
+        self.has_hidden_states = self._hidden_at is not None
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
                             if t.role in ("new_key", "new_value", "new_conv_state") and not is_pool_output(t)]
 
@@ -147,11 +150,13 @@ class DecoderGraph:
             logits_index: np.ndarray, lengths: np.ndarray,
             vision: tuple[np.ndarray, np.ndarray] | None = None,
             extra: dict[str, np.ndarray] | None = None, first_slot: int = 0,
-            tokens_only: bool = False) -> np.ndarray:
+            tokens_only: bool = False, with_hidden: bool = False):
         """One forward over the live slots first_slot..first_slot+n-1 (n = len(input_ids)); returns
         logits [n, n_logits, vocab], or with ``tokens_only`` (graphs with a ``next_token`` output,
         ``has_next_token``) the argmax token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no
-        finite logit) and no logits are copied out of the graph.
+        finite logit) and no logits are copied out of the graph. ``with_hidden`` (graphs with a
+        ``last_hidden_state`` output, ``has_hidden_states``): returns (that, hidden states
+        [n, n_logits, hidden]) instead; without it a graph's hidden states are not fetched.
 
         Row b is slot first_slot + b and holds ``lengths[b]`` real tokens starting at position
         ``position_ids[b, 0]``; its new state rows are written into the pool before returning.
@@ -165,6 +170,8 @@ class DecoderGraph:
         n = input_ids.shape[0]
         if tokens_only and not self.has_next_token:
             raise RuntimeError("tokens_only on a graph without a next_token output")
+        if with_hidden and not self.has_hidden_states:
+            raise RuntimeError("with_hidden on a graph without a last_hidden_state output")
         slot_idx = np.arange(first_slot, first_slot + n, dtype=np.int64)
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
@@ -185,10 +192,12 @@ class DecoderGraph:
             keys, values = pool.kv_views(n, first_slot)
             for role, layer, name in self.states:
                 feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
-            skip = self._logits_at if tokens_only else self._next_token_at
-            names = [name for i, name in enumerate(self.outputs) if i != skip]
+            skip = {self._logits_at if tokens_only else self._next_token_at}
+            if not with_hidden:
+                skip.add(self._hidden_at)
+            names = [name for i, name in enumerate(self.outputs) if i not in skip]
             fetched = iter(self.session.run(names, feeds))
-            outs = [None if i == skip else next(fetched) for i in range(len(self.outputs))]
+            outs = [None if i in skip else next(fetched) for i in range(len(self.outputs))]
         new: dict[int, dict[str, np.ndarray]] = {}
         for i, role, layer in self._state_rows:
             new.setdefault(layer, {})[role] = outs[i]
@@ -197,7 +206,8 @@ class DecoderGraph:
                 pool.write_conv(layer, rows["new_conv_state"], slot_idx)
             else:
                 pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths, first_slot)
-        return outs[self._next_token_at if tokens_only else self._logits_at]
+        result = outs[self._next_token_at if tokens_only else self._logits_at]
+        return (result, outs[self._hidden_at]) if with_hidden else result
 
     def _run_bound(self, pool: StatePool, n: int, first: int, tokens_only: bool, given: dict[str, np.ndarray],
                    dims: dict[str, int]) -> list:

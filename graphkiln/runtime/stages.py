@@ -203,22 +203,29 @@ class StagedPool:
         return moves[0]
 
 
+def merged_spec(specs: list[GraphSpec]) -> GraphSpec:
+    """The stages' graphs seen as one decoder graph (what the Engine reads from ``spec``): the
+    first stage's inputs plus any later stage's own non-state inputs, every stage's state
+    tensors, the last stage's outputs. Shared by the chained runner and the Ray driver
+    (runtime.distributed)."""
+    first, last = specs[0], specs[-1]
+    inputs = [t for t in first.inputs if t.layer is None]
+    for spec in specs[1:]:
+        inputs += [t for t in spec.inputs if t.layer is None and t.role != "hidden_states"
+                   and t.role not in {u.role for u in inputs}]
+    inputs += [t for spec in specs for t in spec.inputs if t.layer is not None]
+    outputs = [t for t in last.outputs if t.layer is None]
+    outputs += [t for spec in specs for t in spec.outputs if t.layer is not None]
+    return dataclasses.replace(last, name="decoder", file=first.file, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
 class StagedDecoder:
     """The stages chained in this process, with ``DecoderGraph``'s ``spec`` (a merged view: the
     first stage's inputs, every stage's state tensors, the last stage's outputs) and ``run``."""
 
     def __init__(self, runners: list[StageRunner]) -> None:
         self.runners = runners
-        first, last = runners[0].spec, runners[-1].spec
-        inputs = [t for t in first.inputs if t.layer is None]
-        for r in runners[1:]:
-            inputs += [t for t in r.spec.inputs if t.layer is None and t.role != "hidden_states"
-                       and t.role not in {u.role for u in inputs}]
-        inputs += [t for r in runners for t in r.spec.inputs if t.layer is not None]
-        outputs = [t for t in last.outputs if t.layer is None]
-        outputs += [t for r in runners for t in r.spec.outputs if t.layer is not None]
-        self.spec = dataclasses.replace(last, name="decoder", file=first.file, inputs=tuple(inputs),
-                                        outputs=tuple(outputs))
+        self.spec = merged_spec([r.spec for r in runners])
         self.has_next_token = runners[-1].has_next_token
 
     def run(self, pool: StagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
