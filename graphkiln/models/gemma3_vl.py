@@ -35,13 +35,12 @@ import math
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.imaging import PlaceholderRule, check_compatible, preprocessing_from_config
+from graphkiln.imaging import PlaceholderRule
 from graphkiln.models import gemma3
 from graphkiln.models.config import DecoderConfig, config_error
-from graphkiln.models.llava import _both_layouts, _sub
 from graphkiln.models.registry import ModelFamily, register
 from graphkiln.models.sources import Source
-from graphkiln.models.vision import VisionConfig, VisionFamily
+from graphkiln.models.vision import VisionConfig, VisionFamily, square_image_config, sub_config, text_source_in_vlm
 
 ARCH = "Gemma3ForConditionalGeneration"
 TOWER = "siglip_vision_model"
@@ -66,7 +65,7 @@ def _int(d: dict, key: str, default: int, where: str = "", minimum: int = 1) -> 
 
 
 def _parse_text(raw: dict) -> DecoderConfig:
-    text = dict(_sub(raw, "text_config"))
+    text = dict(sub_config(raw, "text_config"))
     model_type = text.get("model_type", "gemma3_text")
     if model_type != "gemma3_text":
         raise GraphkilnError(f"config.json: text_config.model_type {model_type!r} is not supported for {ARCH}: "
@@ -79,7 +78,7 @@ def _parse_text(raw: dict) -> DecoderConfig:
 
 
 def _source(name: str, cfg: DecoderConfig) -> Source:
-    return _both_layouts(gemma3._source(name, cfg))
+    return text_source_in_vlm(gemma3._source(name, cfg))
 
 
 def _token_ids(raw: dict, vocab: int) -> dict[str, int]:
@@ -95,7 +94,7 @@ def _token_ids(raw: dict, vocab: int) -> dict[str, int]:
 
 
 def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
-    vision = _sub(raw, "vision_config")
+    vision = sub_config(raw, "vision_config")
     model_type = vision.get("model_type", TOWER)
     if model_type != TOWER:
         raise GraphkilnError(f"config.json: vision_config.model_type {model_type!r} is not supported for {ARCH}: "
@@ -109,24 +108,15 @@ def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
         raise GraphkilnError(f"config.json: mm_tokens_per_image {tokens} does not pool the tower's {grid}x{grid} patch "
                              "grid into a square of that many tokens (it must be a square number n*n with n dividing "
                              f"image_size // patch_size = {grid}): fix mm_tokens_per_image")
-    text = _sub(raw, "text_config")
+    text = sub_config(raw, "text_config")
     ids = _token_ids(raw, _int(text, "vocab_size", 262_208, "text_config."))
     seq = preprocessor.get("image_seq_length") if isinstance(preprocessor, dict) else None
     if seq is not None and seq != tokens:
         raise GraphkilnError(f"preprocessor_config.json: image_seq_length {seq!r} differs from config.json's "
                              f"mm_tokens_per_image {tokens}: the processor and the model must agree; fix one of them")
-    try:
-        preprocessing = preprocessing_from_config(preprocessor, model_type="gemma3")
-        rule = PlaceholderRule("fixed", tokens_per_image=tokens, row_token_id=ids["image_token_index"],
-                               prefix_ids=(ids["boi_token_index"],), suffix_ids=(ids["eoi_token_index"],)).validated()
-        check_compatible(preprocessing, rule)
-    except ValueError as exc:
-        raise GraphkilnError(f"{exc}: fix preprocessor_config.json / config.json") from None
-    if preprocessing.output_size != (size, size):
-        raise GraphkilnError(f"preprocessor_config.json makes {preprocessing.output_size[0]}x"
-                             f"{preprocessing.output_size[1]} images but the vision tower takes {size}x{size}: "
-                             "fix the processor's size")
-    return VisionConfig(ids["boi_token_index"], (size, size), rule, preprocessing, raw)
+    rule = PlaceholderRule("fixed", tokens_per_image=tokens, row_token_id=ids["image_token_index"],
+                           prefix_ids=(ids["boi_token_index"],), suffix_ids=(ids["eoi_token_index"],))
+    return square_image_config(ids["boi_token_index"], size, rule, preprocessor, "gemma3", raw)
 
 
 def _complete(src: Path, vcfg: VisionConfig) -> VisionConfig:
@@ -180,20 +170,20 @@ def _modules(vcfg: VisionConfig, device: str):
 
 
 def _check(src: Path, vcfg: VisionConfig) -> None:
-    from graphkiln.models.llava_vision import _match
+    from graphkiln.models.llava_vision import match_tensors
     from graphkiln.models.weights import tensor_headers
 
     tower, projector = _modules(vcfg, "meta")
     headers = tensor_headers(src)
-    _match(tower, headers, _TOWER_PREFIXES, "vision tower")
-    _match(projector, headers, _PROJECTOR_PREFIXES, "projector")
+    match_tensors(tower, headers, _TOWER_PREFIXES, "vision tower")
+    match_tensors(projector, headers, _PROJECTOR_PREFIXES, "projector")
 
 
 def _build(src: Path, vcfg: VisionConfig, dtype: str):
     """The vision graph's torch module with the checkpoint's weights (see the module docstring)."""
     from torch import nn
 
-    from graphkiln.models.llava_vision import _load
+    from graphkiln.models.llava_vision import load_tensors
     from graphkiln.models.weights import tensor_headers
 
     class Gemma3VisionForExport(nn.Module):
@@ -210,8 +200,8 @@ def _build(src: Path, vcfg: VisionConfig, dtype: str):
     # the checkpoint
     tower, projector = _modules(vcfg, "cpu")
     headers = tensor_headers(src)
-    _load(tower, src, headers, _TOWER_PREFIXES, dtype, "vision tower")
-    _load(projector, src, headers, _PROJECTOR_PREFIXES, dtype, "projector")
+    load_tensors(tower, src, headers, _TOWER_PREFIXES, dtype, "vision tower")
+    load_tensors(projector, src, headers, _PROJECTOR_PREFIXES, dtype, "projector")
     return Gemma3VisionForExport(tower, projector).eval()
 
 

@@ -19,11 +19,11 @@ import dataclasses
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.imaging import PlaceholderRule, check_compatible, preprocessing_from_config
+from graphkiln.imaging import PlaceholderRule
 from graphkiln.models.config import DecoderConfig, config_error
 from graphkiln.models.registry import ModelFamily, family_for, register
-from graphkiln.models.sources import Alt, Source
-from graphkiln.models.vision import VisionConfig, VisionFamily
+from graphkiln.models.sources import Source
+from graphkiln.models.vision import VisionConfig, VisionFamily, square_image_config, sub_config, text_source_in_vlm
 
 ARCH = "LlavaForConditionalGeneration"
 # text_config.model_type -> the decoder family that reads it
@@ -33,15 +33,8 @@ TOWERS = {"clip_vision_model": ("CLIPVisionModel", 1), "siglip_vision_model": ("
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
 
-def _sub(raw: dict, key: str) -> dict:
-    value = raw.get(key)
-    if not isinstance(value, dict):
-        raise config_error(key, value, "an object (the sub-model's config)")
-    return value
-
-
 def _text_family(raw: dict) -> ModelFamily:
-    text = _sub(raw, "text_config")
+    text = sub_config(raw, "text_config")
     model_type = text.get("model_type", "llama")
     if model_type not in TEXT_FAMILIES:
         raise GraphkilnError(f"config.json: text_config.model_type {model_type!r} is not supported for {ARCH}: "
@@ -51,25 +44,14 @@ def _text_family(raw: dict) -> ModelFamily:
 
 def _parse_text(raw: dict) -> DecoderConfig:
     family = _text_family(raw)
-    text = dict(_sub(raw, "text_config"), architectures=[family.architecture])
+    text = dict(sub_config(raw, "text_config"), architectures=[family.architecture])
     text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     return dataclasses.replace(family.parse_config(text), vision_seam=True)
 
 
-def _both_layouts(src: Source) -> Source:
-    """The text family's source, each tensor under either checkpoint layout (see the docstring)."""
-    if isinstance(src, str):
-        if src.startswith("model."):
-            return Alt((f"model.language_model.{src[6:]}", f"language_model.{src}"))
-        return Alt((src, f"language_model.{src}"))
-    if isinstance(src, Alt):
-        return Alt(tuple(_both_layouts(o) for o in src.options))
-    return dataclasses.replace(src, parts=tuple(_both_layouts(p) for p in src.parts))
-
-
 def _source(name: str, cfg: DecoderConfig) -> Source:
     family = family_for(TEXT_FAMILIES[cfg.raw.get("model_type", "llama")])
-    return _both_layouts(family.source(name, cfg))
+    return text_source_in_vlm(family.source(name, cfg))
 
 
 def _feature_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
@@ -88,7 +70,7 @@ def _feature_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
-    vision = _sub(raw, "vision_config")
+    vision = sub_config(raw, "vision_config")
     model_type = vision.get("model_type", "clip_vision_model")
     if model_type not in TOWERS:
         raise GraphkilnError(f"config.json: vision_config.model_type {model_type!r} is not supported for {ARCH}: "
@@ -105,18 +87,9 @@ def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
     token = raw.get("image_token_index", raw.get("image_token_id", 32000))
     if type(token) is not int or token < 0:
         raise config_error("image_token_index", token, "a token id (an integer >= 0)")
-    try:
-        preprocessing = preprocessing_from_config(preprocessor, model_type="llava")
-        rule = PlaceholderRule("patch_grid", patch_size=patch, num_additional_image_tokens=extra,
-                               vision_feature_select_strategy=strategy).validated()
-        check_compatible(preprocessing, rule)
-    except ValueError as exc:
-        raise GraphkilnError(f"{exc}: fix preprocessor_config.json / config.json") from None
-    if preprocessing.output_size != (size, size):
-        raise GraphkilnError(f"preprocessor_config.json makes {preprocessing.output_size[0]}x"
-                             f"{preprocessing.output_size[1]} images but the vision tower takes {size}x{size}: "
-                             "fix the processor's size / crop_size")
-    return VisionConfig(token, (size, size), rule, preprocessing, raw)
+    rule = PlaceholderRule("patch_grid", patch_size=patch, num_additional_image_tokens=extra,
+                           vision_feature_select_strategy=strategy)
+    return square_image_config(token, size, rule, preprocessor, "llava", raw, "size / crop_size")
 
 
 def _reads(name: str) -> bool:

@@ -36,7 +36,7 @@ def _prefix(names: list[str], prefixes: tuple[str, ...], what: str) -> str:
                          "files do not match config.json")
 
 
-def _match(module: nn.Module, headers: dict[str, dict], prefixes: tuple[str, ...], what: str) -> dict[str, str]:
+def match_tensors(module: nn.Module, headers: dict[str, dict], prefixes: tuple[str, ...], what: str) -> dict[str, str]:
     """module state key -> checkpoint tensor name: every key found, nothing else under the
     prefix, the shapes config.json implies, float types; from the shard headers alone."""
     names = list(headers)
@@ -89,13 +89,13 @@ def check_llava_vision(src: Path, vcfg: VisionConfig) -> None:
     runs it before creating its output)."""
     _, tower, projector = _modules(vcfg, "meta")
     headers = tensor_headers(src)
-    _match(tower, headers, _TOWER_PREFIXES, "vision tower")
-    _match(projector, headers, _PROJECTOR_PREFIXES, "projector")
+    match_tensors(tower, headers, _TOWER_PREFIXES, "vision tower")
+    match_tensors(projector, headers, _PROJECTOR_PREFIXES, "projector")
 
 
-def _load(module: nn.Module, src: Path, headers: dict[str, dict], prefixes: tuple[str, ...], dtype: str,
+def load_tensors(module: nn.Module, src: Path, headers: dict[str, dict], prefixes: tuple[str, ...], dtype: str,
           what: str) -> None:
-    wanted = _match(module, headers, prefixes, what)
+    wanted = match_tensors(module, headers, prefixes, what)
     tensors = read_tensors(src, list(wanted.values()), dtype)
     module.load_state_dict({key: tensors[name] for key, name in wanted.items()}, strict=True, assign=True)
 
@@ -108,8 +108,8 @@ def build_llava_vision(src: Path, vcfg: VisionConfig, dtype: str) -> LlavaVision
     cfg, tower, projector = _modules(vcfg, "cpu")
     layers = _feature_layers(vcfg.raw, cfg.vision_config.num_hidden_layers)
     headers = tensor_headers(src)
-    _load(tower, src, headers, _TOWER_PREFIXES, dtype, "vision tower")
-    _load(projector, src, headers, _PROJECTOR_PREFIXES, dtype, "projector")
+    load_tensors(tower, src, headers, _TOWER_PREFIXES, dtype, "vision tower")
+    load_tensors(projector, src, headers, _PROJECTOR_PREFIXES, dtype, "projector")
     # layers past the deepest selected hidden state are never used: don't put them in the graph
     encoder = tower.encoder
     encoder.layers = encoder.layers[: max(max(layers), 1)]

@@ -27,7 +27,7 @@ from graphkiln.imaging import PlaceholderRule, check_compatible, preprocessing_f
 from graphkiln.models.config import DecoderConfig, _int_ok, config_error
 from graphkiln.models.registry import ModelFamily, family_for, register
 from graphkiln.models.sources import Alt, Source
-from graphkiln.models.vision import VisionConfig, VisionFamily
+from graphkiln.models.vision import VisionConfig, VisionFamily, sub_config
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
 TEXT_ARCH = "Qwen2ForCausalLM"
@@ -108,17 +108,10 @@ def _source(name: str, cfg: DecoderConfig) -> Source:
     return name
 
 
-def _sub(raw: dict, key: str) -> dict:
-    value = raw.get(key)
-    if not isinstance(value, dict):
-        raise config_error(key, value, "an object (the sub-model's config)")
-    return value
-
-
 def vision_fields(raw: dict) -> dict:
     """``vision_config`` with transformers' defaults, every value checked; ``window`` is the
     attention window in merge units (window_size // spatial_merge_size // patch_size)."""
-    v = dict(VISION_DEFAULTS, **{k: x for k, x in _sub(raw, "vision_config").items() if x is not None})
+    v = dict(VISION_DEFAULTS, **{k: x for k, x in sub_config(raw, "vision_config").items() if x is not None})
     for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                 "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size"):
         if not _int_ok(v[key]) or v[key] <= 0:

@@ -205,8 +205,8 @@ def _example_grids(merge: int, window: int, area: int) -> list[tuple[int, int, i
     raise AssertionError("no example grid")  # unreachable for merge, window >= 1
 
 
-def _match(module: nn.Module, headers: dict[str, dict]) -> dict[str, str]:
-    from graphkiln.models.llava_vision import _match as match_tensors
+def match_tensors(module: nn.Module, headers: dict[str, dict]) -> dict[str, str]:
+    from graphkiln.models.llava_vision import match_tensors
 
     return match_tensors(module, headers, PREFIXES, "vision tower")
 
@@ -221,14 +221,14 @@ def _module(vcfg: VisionConfig, device: str) -> Qwen25VisionForExport:
 
 def check_qwen_vision(src: Path, vcfg: VisionConfig) -> None:
     """What ``build_qwen_vision`` would refuse about the weights, from the shard headers alone."""
-    _match(_module(vcfg, "meta"), tensor_headers(src))
+    match_tensors(_module(vcfg, "meta"), tensor_headers(src))
 
 
 def build_qwen_vision(src: Path, vcfg: VisionConfig, dtype: str) -> Qwen25VisionForExport:
     from graphkiln.models.weights import read_tensors
 
     module = _module(vcfg, "cpu")  # inv_freq is not in the checkpoint: built for real
-    wanted = _match(module, tensor_headers(src))
+    wanted = match_tensors(module, tensor_headers(src))
     tensors = read_tensors(src, list(wanted.values()), dtype)
     module.load_state_dict({key: tensors[name] for key, name in wanted.items()}, strict=True, assign=True)
     return module.eval()

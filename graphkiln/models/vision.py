@@ -20,11 +20,15 @@ Torch is imported only by ``build``; parsing stays torch-free like the decoder f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from graphkiln.imaging import ImagePreprocessing, PlaceholderRule
+from graphkiln.errors import GraphkilnError
+from graphkiln.imaging import ImagePreprocessing, PlaceholderRule, check_compatible, preprocessing_from_config
+from graphkiln.models.config import config_error
+from graphkiln.models.sources import Alt, Source
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,42 @@ class VisionFamily:
     check: Callable[[Path, VisionConfig], None]
     build: Callable[[Path, VisionConfig, str], object]
     complete: Callable[[Path, VisionConfig], VisionConfig] | None = None
+
+
+def sub_config(raw: dict, key: str) -> dict:
+    """A vision-language config's sub-model config (``text_config``, ``vision_config``)."""
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise config_error(key, value, "an object (the sub-model's config)")
+    return value
+
+
+def text_source_in_vlm(src: Source) -> Source:
+    """A text family's checkpoint source inside a vision-language checkpoint: each tensor under
+    either layout, ``model.language_model.*`` (transformers 5) or ``language_model.model.*``
+    (earlier saves; ``lm_head`` likewise under ``language_model.``)."""
+    if isinstance(src, str):
+        if src.startswith("model."):
+            return Alt((f"model.language_model.{src[6:]}", f"language_model.{src}"))
+        return Alt((src, f"language_model.{src}"))
+    if isinstance(src, Alt):
+        return Alt(tuple(text_source_in_vlm(o) for o in src.options))
+    return dataclasses.replace(src, parts=tuple(text_source_in_vlm(p) for p in src.parts))
+
+
+def square_image_config(image_token_id: int, size: int, rule: PlaceholderRule, preprocessor: dict, model_type: str,
+                        raw: dict, size_fields: str = "size") -> VisionConfig:
+    """The ``VisionConfig`` of a tower that takes ``size`` x ``size`` images: the processor's
+    preprocessing must be compatible with ``rule`` and produce exactly that size (one-line
+    refusals naming the processor's ``size_fields`` to fix)."""
+    try:
+        preprocessing = preprocessing_from_config(preprocessor, model_type=model_type)
+        rule = rule.validated()
+        check_compatible(preprocessing, rule)
+    except ValueError as exc:
+        raise GraphkilnError(f"{exc}: fix preprocessor_config.json / config.json") from None
+    if preprocessing.output_size != (size, size):
+        raise GraphkilnError(f"preprocessor_config.json makes {preprocessing.output_size[0]}x"
+                             f"{preprocessing.output_size[1]} images but the vision tower takes {size}x{size}: "
+                             f"fix the processor's {size_fields}")
+    return VisionConfig(image_token_id, (size, size), rule, preprocessing, raw)
