@@ -345,3 +345,28 @@ def test_cli_verify_passes(artifacts, checkpoint, capsys):
     code, out, err = run_cli(capsys, "verify", artifacts("onnxruntime"), "--reference", checkpoint, "--steps", 4)
     assert code == 0 and "PASS" in out, (out, err)
     assert "with images: 1 image, 2 images" in out and "skipped" not in out
+
+
+def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifacts, engine):
+    """Continuous batching with a step budget smaller than an image: M-RoPE positions and image
+    rows are fed chunk by chunk (rotary positions from the request's layout, not the cache
+    positions), decode steps continue from rope_delta, and every request's greedy tokens equal
+    the request run alone."""
+    from graphkiln.runtime.scheduler import Scheduler
+
+    prompts = [text_ids(3, 41) + [TOKEN] + text_ids(4, 42), text_ids(7, 43),
+               [TOKEN] + text_ids(2, 44) + [TOKEN] + text_ids(1, 45)]
+    images = [[rgb(21, 112, 140)], None, [rgb(22, 84, 84), rgb(23, 56, 112)]]
+    alone = [engine.generate([p], greedy(), images=[im])[0].token_ids for p, im in zip(prompts, images)]
+    step_tokens = 5
+    assert min(engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
+
+    other = Engine.load(artifacts("onnxruntime"))
+    sched = Scheduler(other, max_batch=2, step_tokens=step_tokens)
+    sched.start()
+    try:
+        handles = [sched.submit(p, greedy(), images=im) for p, im in zip(prompts, images)]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone
+    finally:
+        sched.shutdown(10)
+    assert other.pool.live == 0

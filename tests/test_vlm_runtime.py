@@ -437,3 +437,29 @@ def test_gpu_backends_refuse_a_vision_language_artifact(tiny, kwargs):
     case = tiny("llava_clip", "onnxruntime")
     with pytest.raises(GraphkilnError, match="vision-language artifacts run on onnxruntime on the CPU only"):
         Engine.load(case.artifact, **kwargs)
+
+
+def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(clip):
+    """Continuous batching with a step budget smaller than an image's rows: each image is
+    prefilled across several chunks (the seam skips the rows outside each chunk) while other
+    requests decode, and every request's greedy tokens equal the request run alone."""
+    from graphkiln.runtime.scheduler import Scheduler
+
+    t = token(clip)
+    prompts = [text_ids(clip, 3, 21) + [t] + text_ids(clip, 4, 22), text_ids(clip, 6, 23),
+               [t] + text_ids(clip, 2, 24) + [t]]
+    images = [[rgb(7, 45, 60)], None, [rgb(8, 40, 52), rgb(9, 60, 45)]]
+    alone_engine = Engine.load(clip.artifact)
+    alone = [alone_engine.generate([p], greedy(), images=[im])[0].token_ids for p, im in zip(prompts, images)]
+    step_tokens = 4
+    assert min(alone_engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
+
+    engine = Engine.load(clip.artifact)
+    sched = Scheduler(engine, max_batch=2, step_tokens=step_tokens)
+    sched.start()
+    try:
+        handles = [sched.submit(p, greedy(), images=im) for p, im in zip(prompts, images)]
+        assert [h.result(timeout=120).token_ids for h in handles] == alone
+    finally:
+        sched.shutdown(10)
+    assert engine.pool.live == 0
