@@ -91,7 +91,7 @@ def test_non_finite_weight_is_refused_naming_it(llama_case, checkpoint_copy, out
     export_fails(capsys, ckpt, out_dir, f"'{tensor}'", f"has {kind} values")
 
 
-@pytest.mark.parametrize("value", ["nan", "-inf"])
+@pytest.mark.parametrize("value", ["nan"])  # infinities: the dense cases above (same check)
 def test_non_finite_expert_weight_is_refused_naming_it(moe_case, checkpoint_copy, out_dir, capsys, value):
     ckpt = checkpoint_copy(moe_case)
     tensor = "model.layers.2.mlp.experts.5.down_proj.weight"

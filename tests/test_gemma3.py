@@ -240,13 +240,13 @@ def test_final_logit_softcapping_is_reproduced(tmp_path):
         assert max_abs(res.logits, logits) <= ATOL
 
 
-@pytest.mark.parametrize("target", ["onnxruntime", "tensorrt"])
-def test_verify_cli_passes(tiny, capsys, target):
+def test_verify_cli_passes(tiny, capsys):
+    """The CLI path end to end (parity itself, every target, is test_parity's)."""
     from graphkiln.cli import main
 
-    case = tiny(NAME, target)
+    case = tiny(NAME, "onnxruntime")
     capsys.readouterr()
-    assert main(["verify", str(case.artifact), "--reference", str(case.checkpoint), "--steps", "32"]) == 0
+    assert main(["verify", str(case.artifact), "--reference", str(case.checkpoint), "--steps", "8"]) == 0
     assert "PASS" in capsys.readouterr().out
 
 
