@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing and installs the project with its export and test extras.
+# Each creates .venv if missing and installs the project with its export, test and distributed
+# extras (the tests start a local Ray cluster for the pipeline-stage actors).
 # torch==2.13.0 is installed first and on its own: on these machines that pin resolves to a
 # local CPU build, while a looser requirement would pull a multi-GB CUDA build.
 
@@ -11,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[export,test]'
+	$(VENV)/bin/pip install -q -e '.[export,test,distributed]'
 	touch $(STAMP)
 
 .PHONY: install demo test bench

@@ -19,7 +19,8 @@ def _export(args) -> int:
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
-        quant_symmetric=args.quant_scheme == "sym", stages=args.stages, stage_layers=args.stage_layers))
+        quant_symmetric=args.quant_scheme == "sym", stages=args.stages, stage_layers=args.stage_layers,
+        return_hidden_states=args.return_hidden_states))
     return 0
 
 
@@ -95,7 +96,7 @@ def _run(args) -> int:
                              "were given: run each prompt with its images separately")
     images = [list(args.image)] if args.image else None
     engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
-                         backend=args.backend, device=args.device)
+                         backend=args.backend, device=args.device, distributed=args.distributed)
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
     sampling = (args.temperature is not None and args.temperature > 0) or (
         args.temperature is None and (args.top_k is not None or args.top_p is not None))
@@ -184,7 +185,8 @@ def _serve(args) -> int:
     return serve(ServeConfig(
         artifact=args.artifact, host=args.host, port=args.port, api_key=key, model_name=args.model_name,
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
-        drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target, log_level=args.log_level))
+        drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
+        distributed=args.distributed, log_level=args.log_level))
 
 
 def _demo(args) -> int:
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "as even as possible by weight bytes; Engine.load runs them chained")
     e.add_argument("--stage-layers", default=None, metavar="A:B,B:C,...",
                    help="pipeline stages by explicit layer ranges, e.g. 0:6,6:12 (instead of --stages)")
+    e.add_argument("--return-hidden-states", action="store_true",
+                   help="the decoder graph also returns the final-norm hidden states at the logits positions "
+                        "(GenerationConfig(return_hidden_states=...), Engine.embed); not with --target tensorrt")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 
@@ -269,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="cpu (default for onnxruntime) or cuda (onnxruntime-gpu with CUDA graphs: pip install "
                         "'graphkiln[cuda]', see README; tensorrt always runs on cuda)")
+    r.add_argument("--distributed", default=None, choices=["ray"],
+                   help="run a pipeline-staged artifact (export --stages) with each stage in its own Ray actor "
+                        "(pip install 'graphkiln[distributed]'; a local Ray cluster unless this process joins one)")
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
@@ -323,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse the artifact unless its manifest has this sha256 (as for run)")
     s.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
                    help="serve the graph exported for this target (default: the best one for onnxruntime)")
+    s.add_argument("--distributed", default=None, choices=["ray"],
+                   help="run a staged artifact's stages as Ray actors (pip install 'graphkiln[distributed]')")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_serve)
 

@@ -73,14 +73,20 @@ INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vi
                "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
                "image_groups", "image_slots")
-OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value", "image_embeddings")
+OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
+                "present_key", "present_value", "image_embeddings")
+# ``last_hidden_state`` (export --return-hidden-states): the last layer's hidden states AFTER the final
+# norm (transformers' ``last_hidden_state`` == ``hidden_states[-1]``), [batch, n_logits, hidden] in the
+# model dtype, at the logits_index positions; ``hidden_states`` is a pipeline stage's pre-norm residual
+# stream, which a later stage takes as its input.
 # graph name -> (input roles, output roles) it may have; "vision" is a vision-language model's encoder:
 # preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                  "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "rope_position_ids",
                  "lookahead"),
-                ("logits", "next_token", "new_key", "new_value", "new_conv_state", "present_key", "present_value")),
+                ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state", "present_key",
+                 "present_value")),
     # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.vision_groups)
     "vision": (("pixel_values", "image_grid_thw", "patch_positions", "window_groups", "window_slots", "image_groups",
                 "image_slots"), ("image_embeddings",)),
@@ -545,6 +551,13 @@ class Manifest:
                     if t.layer is None:
                         if t.role == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != vocab:
                             raise _FieldError(where + ("shape",), f"ends in {t.shape[-1]}, not the vocabulary size {vocab}")
+                        if t.role == "last_hidden_state":
+                            hidden = self.model.hidden_size
+                            if tuple(t.shape) != ("batch", "n_logits", hidden):
+                                raise _FieldError(where + ("shape",), f"is {list(t.shape)}, not ['batch', 'n_logits', "
+                                                  f"{hidden}] (the logits positions' final-norm hidden states)")
+                            if g.target == "tensorrt":  # its runners bind every output to a buffer they know
+                                raise _FieldError(where, "last_hidden_state is not supported on a tensorrt-target graph")
                         continue
                     kind = "kv" if t.role in KV_ROLES else "conv"
                     s = owner.get(t.layer)

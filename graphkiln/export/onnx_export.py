@@ -29,8 +29,14 @@ SUPPORTED_OPSETS = tuple(IR_FOR_OPSET)
 NP_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Names, dtypes, symbolic shapes and roles of the decoder graph (see models.decoder)."""
+def last_hidden_state_spec(hidden: int, dtype: str) -> TensorSpec:
+    """The ``--return-hidden-states`` output: final-norm hidden states at the logits_index positions."""
+    return TensorSpec("last_hidden_state", dtype, ("batch", "n_logits", hidden), "last_hidden_state")
+
+
+def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Names, dtypes, symbolic shapes and roles of the decoder graph (see models.decoder);
+    ``hidden_states``: the graph also returns ``last_hidden_state`` right after the logits."""
     ins = [
         TensorSpec("input_ids", "int64", ("batch", "seq"), "input_ids"),
         TensorSpec("position_ids", "int64", ("batch", "seq"), "position_ids"),
@@ -47,6 +53,8 @@ def decoder_io(cfg: DecoderConfig, dtype: str) -> tuple[list[TensorSpec], list[T
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
     outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
+    if hidden_states:
+        outs.append(last_hidden_state_spec(cfg.hidden_size, dtype))
     kv, d = cfg.num_kv_heads, cfg.head_dim
     for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
@@ -82,7 +90,7 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
     if opset not in IR_FOR_OPSET:
         raise GraphkilnError(f"--opset {opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     cfg = model.cfg
-    ins, outs = decoder_io(cfg, NP_DTYPE[model.lm_head.weight.dtype])
+    ins, outs = decoder_io(cfg, NP_DTYPE[model.lm_head.weight.dtype], model.return_hidden_states)
     reps = template_layers(cfg) if stamp else tuple(range(cfg.num_layers))
     refused = None
     if len(reps) < cfg.num_layers:
@@ -108,7 +116,7 @@ def _trace(model: DecoderForExport, opset: int):
 
     cfg = model.cfg
     dtype = model.lm_head.weight.dtype
-    ins, outs = decoder_io(cfg, NP_DTYPE[dtype])
+    ins, outs = decoder_io(cfg, NP_DTYPE[dtype], model.return_hidden_states)
 
     # Example sizes avoid 0 and 1 so torch.export does not specialise the dynamic axes.
     b, s, c, n, slots = 2, 3, 5, 2, 4

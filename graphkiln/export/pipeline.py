@@ -41,6 +41,9 @@ class ExportOptions:
     # layer ranges "0:6,6:12"; None/None: one decoder graph
     stages: int | None = None
     stage_layers: str | None = None
+    # decoder graphs (the last stage's, when staged) also return ``last_hidden_state``: the
+    # final-norm hidden states at the logits positions (models.decoder); not with tensorrt
+    return_hidden_states: bool = False
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -304,6 +307,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         if not block_size_ok(opts.quant_block_size):
             raise GraphkilnError(f"--quant-block-size {opts.quant_block_size} is not supported: MatMulNBits "
                                  f"accepts {', '.join(map(str, MATMUL_NBITS_BLOCK_SIZES))}")
+    if opts.return_hidden_states and "tensorrt" in targets:
+        raise GraphkilnError("--return-hidden-states is not supported with --target tensorrt yet (its runners bind "
+                             "only the outputs they know): drop it, or use --target onnxruntime or portable")
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     if "tensorrt" in targets:
@@ -350,6 +356,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
         decoder.set_rope_positions(max_seq_len)
+        decoder.return_hidden_states = bool(opts.return_hidden_states)
         # expert_bias is a routing buffer in the reference, not a parameter: don't count it
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")

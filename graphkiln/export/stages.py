@@ -12,7 +12,8 @@ Graph contract of stage k over layers [start, end) (see ``models.decoder`` for t
   every stage:   position_ids, the layout inputs its attention layers read (rope_position_ids,
                  lookahead), seq_lens/slot_idx when it has conv layers, and the state inputs
                  and outputs of its own layers only (names keep the global layer index)
-  last stage:    logits_index -> logits (+ the target's next_token), after the final norm/head
+  last stage:    logits_index -> logits (+ the target's next_token), after the final norm/head,
+                 and with --return-hidden-states last_hidden_state, as the single graph's
   other stages:  -> hidden_states_out (role hidden_states) [batch, seq, hidden], every position
                  (the next stage needs them all to fill its own caches)
 Each stage's graph is traced from a module holding only its layers' parameters, so its
@@ -206,6 +207,8 @@ def _module_class():
             if last:
                 self.model.norm = decoder.model.norm
                 self.lm_head = decoder.lm_head
+            # the single graph's --return-hidden-states output, from the stage that has the final norm
+            self.return_hidden_states = last and decoder.return_hidden_states
             self.specs = [decoder.cfg.layers[i] for i in range(start, end)]
             self.has_attention = any(s.mixer == "attention" for s in self.specs)
             self.has_conv = any(s.mixer != "attention" for s in self.specs)
@@ -251,21 +254,26 @@ def _module_class():
                 return (x, *new_states)
             index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
             x = torch.gather(x, 1, index)
-            logits = self.lm_head(self.model.norm(x))
+            hidden = self.model.norm(x)
+            logits = self.lm_head(hidden)
             if cfg.final_logit_softcap is not None:
                 cap = cfg.final_logit_softcap
                 logits = torch.tanh(logits / cap) * cap
+            if self.return_hidden_states:  # as DecoderForExport.forward: right after the logits
+                return (logits.to(torch.float32), hidden, *new_states)
             return (logits.to(torch.float32), *new_states)
 
     return StageForExport
 
 
-def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str,
+             hidden_states: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The stage graph's inputs and outputs (the stage contract in the module docstring), in the
-    order the stage module's forward takes and returns them."""
+    order the stage module's forward takes and returns them; ``hidden_states``: the last stage
+    also returns ``last_hidden_state`` (export --return-hidden-states)."""
     from graphkiln.export.onnx_export import decoder_io
 
-    full_ins, full_outs = decoder_io(cfg, dtype)
+    full_ins, full_outs = decoder_io(cfg, dtype, hidden_states and last)
     specs = cfg.layers[start:end]
     has_attention = any(s.mixer == "attention" for s in specs)
     has_conv = any(s.mixer != "attention" for s in specs)
@@ -284,6 +292,7 @@ def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str) -> 
     ins += [t for t in full_ins if t.layer is not None and start <= t.layer < end]
     # an ONNX graph defines each name once: a middle stage takes and returns hidden states
     outs = [full_outs[0] if last else TensorSpec(HIDDEN_STATES_OUT, dtype, hidden.shape, HIDDEN_STATES)]
+    outs += [t for t in full_outs if t.role == "last_hidden_state"]
     outs += [t for t in full_outs if t.layer is not None and start <= t.layer < end]
     return ins, outs
 
@@ -393,7 +402,7 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
         t0 = time.perf_counter()
         first, last = k == 0, k == n - 1
         module = StageForExport(decoder, start, end, first, last).eval()
-        ins, outs = stage_io(cfg, start, end, first, last, dtype)
+        ins, outs = stage_io(cfg, start, end, first, last, dtype, decoder.return_hidden_states)
         program = _trace_stage(module, cfg, ins, outs, opts.opset)
         used = custom_ops.attach_functions(program.model)
         program.model.ir_version = IR_FOR_OPSET[opts.opset]

@@ -30,6 +30,8 @@ Graph contract (one graph serves prefill and decode):
                 (only positions < start_b are read)
     conv:       conv_state.i  [slots, channels, kernel-1]  (the whole pool, read at slot_idx)
   -> logits     float32 [batch, n_logits, vocab]
+  -> last_hidden_state [batch, n_logits, hidden] (model dtype; only with return_hidden_states):
+                the final-norm hidden states at the logits_index positions
   -> per layer: new_key.i / new_value.i [batch, kv_heads, seq, head_dim]  (rows for position_ids)
                 new_conv_state.i [batch, channels, kernel-1]               (rows for slot_idx)
 
@@ -277,6 +279,10 @@ class DecoderForExport(nn.Module):
     def state_arity(self, i: int) -> int:
         return 2 if self.cfg.layers[i].mixer == "attention" else 1
 
+    # export --return-hidden-states: forward also returns ``last_hidden_state`` [batch, n_logits,
+    # hidden] (model dtype) right after logits, the final-norm states the head reads
+    return_hidden_states: bool = False
+
     def forward(self, input_ids, position_ids, logits_index, *rest):
         x = self.model.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:
@@ -306,11 +312,14 @@ class DecoderForExport(nn.Module):
 
         index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         x = torch.gather(x, 1, index)
-        logits = self.lm_head(self.model.norm(x))
+        hidden = self.model.norm(x)
+        logits = self.lm_head(hidden)
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         logits = logits.to(torch.float32)
+        if self.return_hidden_states:  # after the final norm, as transformers' last_hidden_state
+            return (logits, hidden, *new_states)
         return (logits, *new_states)
 
     def _offset(self, layer: int) -> int:

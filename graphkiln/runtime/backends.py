@@ -36,9 +36,20 @@ def check_choice(backend: object, device: object, target: object) -> None:
 
 
 def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: str, threads: int | None,
-                 target: str | None = None):
+                 target: str | None = None, distributed=None, manifest_digest: str | None = None):
     """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
-    lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``)."""
+    lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``).
+    ``distributed`` ("ray" or a ``runtime.distributed.RayOptions``): a staged artifact's stages
+    each in a Ray actor (``runtime.distributed``) instead of chained in this process."""
+    if distributed is not None:
+        from graphkiln.runtime.distributed import check_distributed, import_ray, open_ray
+
+        options = check_distributed(distributed)
+        if (backend, device) != ("onnxruntime", "cpu"):
+            raise GraphkilnError(f"--distributed ray runs stages on onnxruntime on the CPU only for now, not {backend} "
+                                 f"on {device}: load it without backend/device")
+        import_ray()  # before anything else: the missing extra is the one line to give
+        return open_ray(artifact_dir, manifest, manifest_digest, threads, target, options)
     if manifest.vision is not None and (backend, device) != ("onnxruntime", "cpu"):
         # the GPU runners bind no vision seam yet (runtime.trt_runner, runtime.ort_cuda)
         raise GraphkilnError(f"vision-language artifacts run on onnxruntime on the CPU only for now, not {backend} on "

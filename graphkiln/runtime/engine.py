@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None, *,
                  manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
-                 target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES, distributed=None) -> None:
         """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
@@ -79,7 +79,8 @@ class Engine:
         if threads is not None and not (_is_int(threads) and threads >= 1):
             raise GraphkilnError(f"threads must be an integer >= 1, got {threads!r}: omit it to use every core")
         self.backend, self.device = backend, device
-        self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target)
+        self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target, distributed,
+                                               manifest_digest)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
         # an engine built for fewer tokens than the states allow caps requests at its capacity
         self.max_seq_len = min([s.max_seq_len for s in manifest.states] + [getattr(self.pool, "max_capacity", 10**18)])
@@ -97,7 +98,8 @@ class Engine:
     @classmethod
     def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True,
              expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
-             target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES) -> "Engine":
+             target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
+             distributed=None) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -105,9 +107,15 @@ class Engine:
         is refused. ``backend``/``device`` choose what runs it (``runtime.backends``; default
         onnxruntime on the CPU), ``target`` which of the artifact's graphs (default: the one the
         backend runs best). ``vision_cache_bytes`` bounds a vision-language artifact's image
-        embedding cache (0: no cache)."""
+        embedding cache (0: no cache). ``distributed`` ("ray" or a ``runtime.distributed.RayOptions``)
+        runs a pipeline-staged artifact with each stage in its own Ray actor (``runtime.distributed``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
+        if distributed is not None:  # refused before any file is read (Ray missing: the extra to install)
+            from graphkiln.runtime.distributed import check_distributed, import_ray
+
+            check_distributed(distributed)
+            import_ray()
         root = Path(artifact_dir)
         if expected_digest is not None and not is_sha256(expected_digest):
             raise GraphkilnError(f"expected digest {expected_digest!r} is not a sha256 (64 hex digits): "
@@ -117,7 +125,7 @@ class Engine:
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
-                   vision_cache_bytes=vision_cache_bytes)
+                   vision_cache_bytes=vision_cache_bytes, distributed=distributed)
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -307,7 +315,20 @@ class Engine:
                 "temperature >= 0, top_k >= 0, 0 < top_p <= 1; pass valid values in GenerationConfig")
         if c.stop_strings and self.tokenizer is None:
             raise GraphkilnError("stop strings need a tokenizer and this artifact has none: use stop token ids")
+        if c.return_hidden_states is not None:
+            self._check_hidden_states("return_hidden_states")
         return c, params
+
+    def _check_hidden_states(self, what: str) -> None:
+        """Refuse (one line) hidden states from an artifact or backend that cannot give them."""
+        if getattr(self.decoder, "has_hidden_states", False):
+            return
+        if any(t.role == "last_hidden_state" for t in self.decoder.spec.outputs):
+            raise GraphkilnError(f"{what}: hidden states are returned on the onnxruntime CPU backend only for now, not "
+                                 f"{self.backend} on {self.device}: load the Engine with backend='onnxruntime', "
+                                 "device='cpu'")
+        raise GraphkilnError(f"{what}: this artifact's decoder graph returns no hidden states: re-export it with "
+                             "'graphkiln export ... --return-hidden-states'")
 
     # -- generation -----------------------------------------------------------------------
 
@@ -362,6 +383,48 @@ class Engine:
                     self.pool.release(slot)
             return [logits[b, : len(p)].copy() for b, p in enumerate(ids)]  # the graph reuses its logits buffer
 
+    def prompt_hidden_states(self, prompts: Prompt | Sequence[Prompt], images=None) -> list[np.ndarray]:
+        """The last layer's hidden states after the final norm (transformers' ``last_hidden_state``)
+        at every prompt position, [len_i, hidden] in the model dtype per prompt, from one batched
+        prefill (prompts as for ``generate``: text or token ids; ``images`` likewise). Needs an
+        artifact exported with ``--return-hidden-states``. Logits are computed at every position
+        too (the graph gives hidden states where it gives logits)."""
+        return self._prompt_pass(prompts, images, hidden=True, last_only=False, what="prompt_hidden_states")
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], images=None) -> np.ndarray:
+        """Each prompt's last-token final-norm hidden state, [n, hidden] in the model dtype (the
+        pooling of decoder embedding models, which put their end-of-text token last), from one
+        batched prefill that computes only those rows. ``--return-hidden-states`` artifacts."""
+        return np.stack(self._prompt_pass(prompts, images, hidden=True, last_only=True, what="embed"))
+
+    def _prompt_pass(self, prompts, images, *, hidden: bool, last_only: bool, what: str) -> list[np.ndarray]:
+        """One prefill of ``prompts`` in fresh slots, released after; per prompt its logits or (``hidden``)
+        hidden states at every position, or (``last_only``) at its last one ([1, ...])."""
+        with self._exclusive():
+            if hidden:
+                self._check_hidden_states(what)
+            batch = self._as_batch(prompts)
+            if not batch:
+                raise GraphkilnError(f"{what} needs at least one prompt")
+            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
+                    for i, (ids, loaded, pos) in enumerate(self._prepare(batch, images, single=_is_single(prompts)))]
+            self._encode_images(reqs)
+            ids = [r.prompt_ids for r in reqs]
+            longest = max(map(len, ids))
+            index = (np.array([[len(p) - 1] for p in ids]) if last_only
+                     else np.minimum(np.arange(longest), np.array([len(p) - 1 for p in ids])[:, None]))
+            self.pool.reserve(len(ids), longest)
+            slots = [self.pool.claim() for _ in ids]
+            try:
+                out = self._prefill(reqs, index, with_hidden=hidden)
+            finally:
+                for slot in reversed(slots):
+                    self.pool.release(slot)
+            if hidden:
+                out = out[1]
+            # the graph reuses its output buffers: copied
+            return [out[b, 0].copy() if last_only else out[b, : len(p)].copy() for b, p in enumerate(ids)]
+
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Hold the engine for one session, or refuse at once if another holds it."""
@@ -372,9 +435,10 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _prefill(self, reqs: list[_Request], logits_index: np.ndarray) -> np.ndarray:
+    def _prefill(self, reqs: list[_Request], logits_index: np.ndarray, with_hidden: bool = False):
         """One prefill of ``reqs`` (request b in batch row b), each request's image rows replacing
-        the embeddings at its image positions (flat token row ``b * seq + position``)."""
+        the embeddings at its image positions (flat token row ``b * seq + position``); the runner's
+        logits, or with ``with_hidden`` (logits, hidden states)."""
         ids = [r.prompt_ids for r in reqs]
         n, longest = len(ids), max(map(len, ids))
         input_ids = np.full((n, longest), PAD_ID, np.int64)
@@ -383,14 +447,16 @@ class Engine:
         positions = np.tile(np.arange(longest, dtype=np.int64), (n, 1))
         lengths = np.array([len(p) for p in ids], np.int64)
         extra = self._extra(reqs, np.zeros(n, np.int64), longest)
+        kwargs = {"extra": extra} if extra else {}
+        if with_hidden:  # only then: runners without hidden states have no such keyword
+            kwargs["with_hidden"] = True
         with_images = [(b, r) for b, r in enumerate(reqs) if r.image_rows is not None]
         if not with_images:
-            return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
-                                    **({"extra": extra} if extra else {}))
+            return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths, **kwargs)
         rows = np.concatenate([r.image_rows for _, r in with_images])
         indices = np.concatenate([b * longest + r.image_positions for b, r in with_images]).astype(np.int64)
         return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
-                                vision=(rows, indices), **({"extra": extra} if extra else {}))
+                                vision=(rows, indices), **kwargs)
 
     def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
              single: bool = False) -> Iterator[TokenEvent]:

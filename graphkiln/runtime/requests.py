@@ -32,6 +32,10 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None
     output_logits: bool = False  # keep each step's raw logits (for parity checks)
+    # the last layer's hidden states after the final norm (an artifact exported with
+    # --return-hidden-states): "last" one row per generated token (the position whose logits chose
+    # it), "all" also every prompt position before that; see GenerationResult.hidden_states
+    return_hidden_states: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse values that would crash deep inside numpy or silently mean something else
@@ -49,9 +53,14 @@ class GenerationConfig:
             raise GraphkilnError(f"top_p must be a number in (0, 1], got {self.top_p!r}: use 1 to disable it")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             raise GraphkilnError(f"stop_token_ids must be integers, got {tuple(self.stop_token_ids)!r}")
+        if self.return_hidden_states not in HIDDEN_STATE_MODES:
+            raise GraphkilnError(f"return_hidden_states must be None, 'last' or 'all', got {self.return_hidden_states!r}")
         if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
             raise GraphkilnError(f"stop_strings must be a tuple of non-empty strings, got {self.stop_strings!r}: "
                                  "an empty stop string would stop after the first token")
+
+
+HIDDEN_STATE_MODES = (None, "last", "all")
 
 
 def _is_int(value) -> bool:
@@ -85,6 +94,8 @@ class TokenEvent:
     text: str
     logprob: TokenLogprob | None
     finish_reason: str | None = None
+    # with return_hidden_states: [hidden] final-norm state of the position whose logits chose this token
+    hidden_state: np.ndarray | None = None
 
 
 @dataclass
@@ -95,3 +106,8 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" (token or string), "length", "cancelled" (scheduler)
     logprobs: list[TokenLogprob] | None = None
     logits: np.ndarray | None = None  # [steps, vocab] when output_logits
+    # with return_hidden_states (model dtype, [positions, hidden]): row i is the final-norm hidden
+    # state at position first + i, where first is len(prompt_ids) - 1 ("last": row i chose
+    # token_ids[i]) or 0 ("all"); the last generated token is never fed back, so it has no row.
+    # The last len(token_ids) rows always line up with token_ids (and with logits).
+    hidden_states: np.ndarray | None = None

@@ -112,6 +112,7 @@ class _Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
+    hidden: list[np.ndarray] = field(default_factory=list)  # return_hidden_states: [k, hidden] rows, in position order
     slot: int | None = None
     images: list = field(default_factory=list)  # ImageInput, in prompt order; dropped once encoded
     image_positions: np.ndarray | None = None  # prompt position of each image embedding row, in order
@@ -226,48 +227,103 @@ class _Batch:
     def execute(self, plan: _Plan) -> list[_Request]:
         """Run the plan's decode rows, then its prefill rows; each request that chose a token
         has its event in ``events`` (or its ``error``). Returns the requests that did, in slot
-        order. An exception from the runner itself propagates (the driver decides its fate)."""
+        order. An exception from the runner itself propagates (the driver decides its fate).
+
+        A runner that can hold several runs in flight (``submit``: pipeline stages on Ray) gets
+        both runs before either is awaited, so one range is in a later stage while the other is
+        in an earlier one; the two ranges are different slots and the prefill's inputs do not
+        depend on the decode's tokens, so the results are the same. A local runner reuses its
+        output buffers, so each run is consumed before the next starts."""
+        runs = ([self._decode_run(plan)] if plan.decode else []) + ([self._prefill_run(plan)] if plan.prefill else [])
+        decoder = self.engine.decoder
+        if hasattr(decoder, "submit"):
+            pending = [decoder.submit(self.pool, *args, **kwargs) for args, kwargs, _ in runs]
+            outs = (p.result() for p in pending)
+        else:
+            outs = (decoder.run(self.pool, *args, **kwargs) for args, kwargs, _ in runs)
         stepped: list[_Request] = []
-        if plan.decode:
-            reqs = plan.decode
-            n = len(reqs)
-            tokens = np.array([[r.tokens[-1]] for r in reqs], np.int64)
-            positions = np.array([[r.position - 1] for r in reqs], np.int64)
-            fold = self.folded and all(r.folds for r in reqs)
-            extra = self.engine._extra(reqs, positions[:, 0], 1)
-            out = self._run(tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64), extra, None, 0, fold)
+        for (_, _, finish), out in zip(runs, outs):
+            stepped += finish(out)
+        return stepped
+
+    def _decode_run(self, plan: _Plan):
+        """(args, kwargs, finish) of the decode rows' run: one token each, slots [0, d)."""
+        reqs = plan.decode
+        n = len(reqs)
+        tokens = np.array([[r.tokens[-1]] for r in reqs], np.int64)
+        positions = np.array([[r.position - 1] for r in reqs], np.int64)
+        fold = self.folded and all(r.folds for r in reqs)
+        extra = self.engine._extra(reqs, positions[:, 0], 1)
+        hidden = any(r.cfg.return_hidden_states for r in reqs)
+
+        def finish(out) -> list[_Request]:
+            if hidden:
+                out, states = out
+                for row, r in enumerate(reqs):
+                    if r.cfg.return_hidden_states:
+                        r.hidden.append(states[row, :1].copy())  # the runner reuses its buffers
             for row, r in enumerate(reqs):
                 self._choose(r, out[row, 0], fold)
-            stepped += reqs
-        if plan.prefill:
-            reqs, start, ends = plan.prefill, plan.start, plan.ends
-            first = len(plan.decode)
-            seq = max(ends) - start
-            n = len(reqs)
-            input_ids = np.full((n, seq), PAD_ID, np.int64)
-            for b, (r, end) in enumerate(zip(reqs, ends)):
-                input_ids[b, : end - start] = r.prompt_ids[start:end]
-            positions = np.tile(np.arange(start, start + seq, dtype=np.int64), (n, 1))
-            lengths = np.array([end - start for end in ends], np.int64)
-            finishing = [end == len(r.prompt_ids) for r, end in zip(reqs, ends)]
-            # a chunk that ends its prompt reads the logits of its last token; others none (row 0)
-            logits_index = np.array([[end - 1 - start if f else 0] for end, f in zip(ends, finishing)], np.int64)
-            fold = self.folded and all(r.folds for r, f in zip(reqs, finishing) if f)
-            extra = self.engine._extra(reqs, positions[:, 0], seq)
-            out = self._run(input_ids, positions, logits_index, lengths, extra, self._vision(reqs, start, ends, seq),
-                            first, fold)
+            return list(reqs)
+
+        args = (tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))
+        return args, self._run_kwargs(extra, None, 0, fold, hidden), finish
+
+    def _prefill_run(self, plan: _Plan):
+        """(args, kwargs, finish) of the prefill rows' run: one chunk each, slots after the decode rows."""
+        reqs, start, ends = plan.prefill, plan.start, plan.ends
+        first = len(plan.decode)
+        seq = max(ends) - start
+        n = len(reqs)
+        input_ids = np.full((n, seq), PAD_ID, np.int64)
+        for b, (r, end) in enumerate(zip(reqs, ends)):
+            input_ids[b, : end - start] = r.prompt_ids[start:end]
+        positions = np.tile(np.arange(start, start + seq, dtype=np.int64), (n, 1))
+        lengths = np.array([end - start for end in ends], np.int64)
+        finishing = [end == len(r.prompt_ids) for r, end in zip(reqs, ends)]
+        # a chunk that ends its prompt reads the logits of its last token; others none (row 0)
+        logits_index = np.array([[end - 1 - start if f else 0] for end, f in zip(ends, finishing)], np.int64)
+        cols = np.zeros(n, np.int64)  # each row's column of the outputs: where its token is chosen
+        hidden = any(r.cfg.return_hidden_states for r in reqs)
+        if any(r.cfg.return_hidden_states == "all" for r in reqs):
+            # every position of the chunk (a shorter row repeats its last one): logits too,
+            # since the graph gives hidden states where it gives logits
+            logits_index = np.minimum(np.arange(seq, dtype=np.int64), (lengths - 1)[:, None])
+            cols = lengths - 1
+        fold = self.folded and all(r.folds for r, f in zip(reqs, finishing) if f)
+        extra = self.engine._extra(reqs, positions[:, 0], seq)
+
+        def finish(out) -> list[_Request]:
+            if hidden:
+                out, states = out
+                for row, (r, end, f) in enumerate(zip(reqs, ends, finishing)):
+                    if r.cfg.return_hidden_states == "all":
+                        r.hidden.append(states[row, : end - start].copy())
+                    elif r.cfg.return_hidden_states == "last" and f:
+                        r.hidden.append(states[row, cols[row]: cols[row] + 1].copy())
+            stepped = []
             for row, (r, end, f) in enumerate(zip(reqs, ends, finishing)):
                 self.prompt_tokens += end - start
                 r.done = end
                 if f:
-                    self._choose(r, out[row, 0], fold)
+                    self._choose(r, out[row, cols[row]], fold)
                     stepped.append(r)
             last = reqs[-1]
             self.partial = last if last.done < len(last.prompt_ids) else None
-        return stepped
+            return stepped
 
-    def _run(self, input_ids, positions, logits_index, lengths, extra, vision, first: int, fold: bool) -> np.ndarray:
+        args = (input_ids, positions, logits_index, lengths)
+        return args, self._run_kwargs(extra, self._vision(reqs, start, ends, seq), first, fold, hidden), finish
+
+    @staticmethod
+    def _run_kwargs(extra, vision, first: int, fold: bool, hidden: bool) -> dict:
+        """The runner's keyword arguments, each passed only when it departs from the default (the
+        GPU runners take none of them; requests needing them are refused before they get there).
+        The runner returns logits, or tokens when ``fold``, paired with its hidden states
+        [n, n_logits, hidden] when ``hidden``."""
         kwargs = {}
+        if hidden:
+            kwargs["with_hidden"] = True
         if extra:
             kwargs["extra"] = extra
         if vision is not None:
@@ -276,7 +332,7 @@ class _Batch:
             kwargs["first_slot"] = first
         if fold:
             kwargs["tokens_only"] = True
-        return self.engine.decoder.run(self.pool, input_ids, positions, logits_index, lengths, **kwargs)
+        return kwargs
 
     @staticmethod
     def _vision(reqs: list[_Request], start: int, ends: list[int], seq: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -354,6 +410,8 @@ def _commit(engine: "Engine", r: _Request, token: int, logits: np.ndarray | None
     r.tokens.append(token)
     if cfg.output_logits:
         r.logits.append(logits.copy())
+    # the row of the position whose logits chose this token (appended before the choice)
+    hidden = r.hidden[-1][-1] if cfg.return_hidden_states and r.hidden else None
     lp = None
     if cfg.logprobs is not None:
         lps = log_softmax(logits)
@@ -364,7 +422,7 @@ def _commit(engine: "Engine", r: _Request, token: int, logits: np.ndarray | None
     elif len(r.tokens) >= r.budget:
         r.finish_reason = "length"
     if engine.tokenizer is None:
-        r.events.append(TokenEvent(r.index, token, "", lp, r.finish_reason))
+        r.events.append(TokenEvent(r.index, token, "", lp, r.finish_reason, hidden))
         return
     text = r.text + r.detokenizer.step(r.tokens, final=r.finish_reason is not None)
     for s in cfg.stop_strings:
@@ -375,7 +433,7 @@ def _commit(engine: "Engine", r: _Request, token: int, logits: np.ndarray | None
     visible = text if r.finish_reason else text[: len(text) - _pending_stop(text, cfg.stop_strings)]
     new_text = visible[r.emitted:] if len(visible) > r.emitted else ""
     r.emitted = max(r.emitted, len(visible))
-    r.events.append(TokenEvent(r.index, token, new_text, lp, r.finish_reason))
+    r.events.append(TokenEvent(r.index, token, new_text, lp, r.finish_reason, hidden))
 
 
 def _pending_stop(text: str, stops: tuple[str, ...]) -> int:
@@ -393,7 +451,8 @@ def result_of(r: _Request) -> GenerationResult:
     """What ``generate`` returns for a request (log-probabilities and logits only when asked)."""
     return GenerationResult(prompt_ids=r.prompt_ids, token_ids=r.tokens, text=r.text if r.detokenizer else None,
                             finish_reason=r.finish_reason, logprobs=r.logprobs if r.cfg.logprobs is not None else None,
-                            logits=np.stack(r.logits) if r.logits else None)
+                            logits=np.stack(r.logits) if r.logits else None,
+                            hidden_states=np.concatenate(r.hidden) if r.hidden else None)
 
 
 # -- the serving side -------------------------------------------------------------------------

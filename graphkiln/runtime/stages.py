@@ -57,14 +57,17 @@ class StageRunner:
         self.in_place = any(t.role in ("present_key", "present_value") or is_pool_output(t) for t in spec.outputs)
         self.result_role = next(t.role for t in spec.outputs if t.role in ("logits", "hidden_states"))
         self.has_next_token = any(t.role == "next_token" for t in spec.outputs)
+        self.has_hidden_states = any(t.role == "last_hidden_state" for t in spec.outputs)  # the last stage's
         self._bindings: dict[tuple, tuple] = {}  # see _run_bound
 
     def run(self, pool: StatePool, first_input: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
             lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
-            tokens_only: bool = False) -> np.ndarray:
+            tokens_only: bool = False, with_hidden: bool = False):
         """One forward of this stage over slots first_slot.. of ``pool``; ``first_input`` is
         input_ids (first stage) or the previous stage's hidden_states. Returns hidden_states
-        [n, seq, hidden], or for the last stage logits (or, ``tokens_only``, next_token)."""
+        [n, seq, hidden], or for the last stage logits (or, ``tokens_only``, next_token), and
+        with ``with_hidden`` (the last stage, ``has_hidden_states``) a pair of that and its
+        last_hidden_state [n, n_logits, hidden]."""
         n, seq = position_ids.shape
         slot_idx = np.arange(first_slot, first_slot + n, dtype=np.int64)
         given = {self.first_role: first_input, "position_ids": position_ids, "logits_index": logits_index,
@@ -96,7 +99,10 @@ class StageRunner:
             else:
                 pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths, first_slot)
         want = "next_token" if tokens_only else self.result_role
-        return next(value for t, value in zip(self.outputs, outs) if t.role == want)
+        result = next(value for t, value in zip(self.outputs, outs) if t.role == want)
+        if with_hidden:
+            return result, next(value for t, value in zip(self.outputs, outs) if t.role == "last_hidden_state")
+        return result
 
     def _run_bound(self, pool: StatePool, first: int, feeds: dict[str, np.ndarray], dims: dict[str, int]) -> list:
         """An in-place graph: each state buffer bound as both its input and its present_* /
@@ -227,18 +233,22 @@ class StagedDecoder:
         self.runners = runners
         self.spec = merged_spec([r.spec for r in runners])
         self.has_next_token = runners[-1].has_next_token
+        self.has_hidden_states = runners[-1].has_hidden_states
 
     def run(self, pool: StagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
             lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
-            tokens_only: bool = False) -> np.ndarray:
+            tokens_only: bool = False, with_hidden: bool = False):
         """``DecoderGraph.run`` over every stage in order (see there for the arguments)."""
         if tokens_only and not self.has_next_token:
             raise RuntimeError("tokens_only on a graph without a next_token output")
+        if with_hidden and not self.has_hidden_states:
+            raise RuntimeError("with_hidden on a graph without a last_hidden_state output")
         x = input_ids
         last = len(self.runners) - 1
         for k, (runner, stage_pool) in enumerate(zip(self.runners, pool.pools)):
             x = runner.run(stage_pool, x, position_ids, logits_index, lengths, vision=vision if k == 0 else None,
-                           extra=extra, first_slot=first_slot, tokens_only=tokens_only and k == last)
+                           extra=extra, first_slot=first_slot, tokens_only=tokens_only and k == last,
+                           with_hidden=with_hidden and k == last)
         return x
 
 

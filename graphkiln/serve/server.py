@@ -40,6 +40,7 @@ class ServeConfig:
     drain_s: float = 30.0
     expect_digest: str | None = None
     target: str | None = None
+    distributed: str | None = None  # "ray": a staged artifact's stages as Ray actors
     log_level: str = "info"
 
 
@@ -119,7 +120,8 @@ def serve(cfg: ServeConfig) -> int:
 
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
-        engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target)
+        engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
+                             distributed=cfg.distributed)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
         sock.close()

@@ -1,0 +1,523 @@
+"""A pipeline-staged artifact run with each stage in its own Ray actor (``distributed="ray"``).
+
+The unit is the in-process one (``runtime.stages``): a stage is a ``StageRunner`` plus a
+``StatePool`` over only its own states, addressed by slot. Here each stage lives in a Ray actor
+(``StageWorker``) that opens only the manifest and its stage's files (``StageSpec.files``,
+checked against their sha256) and allocates only its own pools; the driver in the Engine's
+process (``RayStagedDecoder`` + ``RayStagedPool``) makes the same calls through actor handles:
+
+- slot bookkeeping (``reserve``, ``claim``, ``release``, ``release_keeping_tail``, ``scrub``)
+  is replayed on every actor and checked to agree with the driver's own mirror of the packed
+  slots (``PackedSlots`` without storage), so ``live`` / ``free_slots`` cost no round trip;
+- a forward is a chain of actor tasks, stage k+1's task taking stage k's result *object ref*
+  as its argument: hidden states go actor to actor through Ray's object store, never through
+  the driver; the driver waits only on the last stage's logits (or tokens);
+- micro-batches: ``submit`` returns a ``PendingRun`` without waiting, so several slot ranges
+  can be in flight at once; each actor runs its tasks in submission order, so while range A is
+  in stage 1, range B runs in stage 0 (``run`` is ``submit(...).result()``).
+
+Failure. A stage actor that dies (killed, crashed, its node lost) fails the forward that was in
+flight with one ``StageFailed`` line. Actors are created with ``max_restarts`` (default 1): Ray
+restarts the process, which re-opens the stage's files and comes back with empty pools; the
+driver recognises it by its new incarnation id, sizes its pools as the others, and refuses any
+forward over the rows that were live at the failure (their state on that stage is gone) until
+they are all released — on the survivors only, since the restarted stage never held them. Once
+no slot is live the pipeline is whole again and the next request is served. When restarts are
+exhausted the stage is gone and every call is refused with one line: load the artifact again.
+
+Cluster. With no Ray connection in this process, ``open_ray`` starts a local one (``num_cpus``
+as given, else at least one per stage; no dashboard; Ray's logs kept out of the terminal); with
+``RayOptions.address`` it joins an existing cluster, where each stage's directory
+(``stage_dirs``) is a path on the node that runs it. Lifecycle: the actors live as long as the
+driver (``close``, or garbage collection of the Engine, ends them); a cluster started here is
+shut down with the last driver that uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.manifest import Manifest
+from graphkiln.runtime.state import PackedSlots
+
+INSTALL_HINT = "pip install 'graphkiln[distributed]'"
+RESTART_WAIT_S = 120.0  # how long a restarting stage actor may take to answer before it counts as gone
+DISTRIBUTED = ("ray",)
+
+
+class StageFailed(GraphkilnError):
+    """A stage's actor died or restarted under a forward: the requests in it failed."""
+
+
+class Restarted(RuntimeError):
+    """Raised by a stage actor given a call meant for an earlier incarnation of itself (Ray
+    restarted it: its pools are new and empty); the driver turns it into ``StageFailed``."""
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How ``distributed="ray"`` places the stages.
+
+    ``address``: an existing Ray cluster to join ("auto", "ray://host:10001"); None starts a
+    local one unless this process is already connected. ``num_cpus``: the local cluster's CPUs
+    (default: the machine's, at least one per stage). ``stage_dirs``: per stage, the artifact
+    directory as the node running that stage sees it (default: the driver's directory, for
+    every stage); each needs only ``manifest.json`` and that stage's files. ``max_restarts``:
+    how often Ray restarts a dead stage actor (0: a dead stage ends the pipeline).
+    ``cpus_per_stage``: the CPUs Ray reserves for each actor (placement only; its onnxruntime
+    threads are the Engine's ``threads``)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+    stage_dirs: tuple[str, ...] | None = None
+    max_restarts: int = 1
+    cpus_per_stage: float = 1.0
+
+
+def import_ray():
+    """Ray, or the one-line refusal naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise GraphkilnError(f"--distributed ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def check_distributed(distributed: object) -> RayOptions | None:
+    """``distributed`` as given to ``Engine.load``: None, "ray" or a ``RayOptions``."""
+    if distributed is None:
+        return None
+    if isinstance(distributed, RayOptions):
+        return distributed
+    if distributed in DISTRIBUTED:
+        return RayOptions()
+    raise GraphkilnError(f"distributed {distributed!r} is not supported: choose one of {', '.join(DISTRIBUTED)} "
+                         "(or leave it unset to run in this process)")
+
+
+# -- the actor ------------------------------------------------------------------------------
+
+
+class StageWorker:
+    """One stage in one process (the body of the Ray actor; plain Python, so it can be read and
+    run without Ray). Opens ``manifest.json`` (pinned to the driver's digest) and only its own
+    stage's graph and data files, each checked against the manifest's sha256 before onnxruntime
+    reads it. Owns the stage's ``StatePool``."""
+
+    def __init__(self, artifact_dir: str, index: int, digest: str, threads: int | None, target: str | None) -> None:
+        from graphkiln.artifact import graph_external_data, sha256_file
+        from graphkiln.manifest import artifact_file
+        from graphkiln.runtime.decoder import numpy_dtype
+        from graphkiln.runtime.stages import StageRunner
+        from graphkiln.runtime.state import StatePool
+
+        root = Path(artifact_dir)
+        manifest, _ = Manifest.read_with_digest(root, digest)
+        if not 0 <= index < len(manifest.stages):
+            raise GraphkilnError(f"{root} has {len(manifest.stages)} stages, no stage {index}: check stage_dirs")
+        stage = manifest.stages[index]
+        spec = manifest.graph(stage.graph, target) if target else manifest.graph_for(stage.graph, "onnxruntime")
+        own = set(stage.files)
+        for rel in stage.files:
+            try:
+                ok = rel in manifest.files and sha256_file(artifact_file(root, rel)) == manifest.files[rel]
+            except OSError:
+                ok = False
+            if not ok:
+                raise GraphkilnError(f"stage {index} file {rel} in {root} is missing or fails its sha256 check: "
+                                     "copy the stage's files there again")
+        for rel in graph_external_data(root, spec.file):
+            if rel not in own:  # the stage reads nothing it was not given
+                raise GraphkilnError(f"stage {index}'s graph reads {rel}, which is not one of its files: re-export")
+        self.index, self.layers = index, stage.layers
+        self.runner = StageRunner(root, spec, stage, threads)
+        self.pool = StatePool(stage.states, numpy_dtype(manifest.states[0].dtype))
+        self.incarnation = uuid.uuid4().hex  # a restarted actor is a new process with a new id
+
+    def info(self, expect: str | None = None) -> dict:
+        """Who this is (``incarnation`` changes when Ray restarts the actor) and its pool; any
+        incarnation may ask (``expect`` is not checked: this is how a restart is found out)."""
+        return {"incarnation": self.incarnation, "pid": os.getpid(), "spec": self.runner.spec,
+                "has_next_token": self.runner.has_next_token,
+                "has_hidden_states": getattr(self.runner, "has_hidden_states", False), "slots": self.pool.slots, "live": self.pool.live,
+                "nbytes": self.pool.nbytes, "layers": sorted(set(self.pool.keys) | set(self.pool.conv)),
+                "peak_rss": _peak_rss()}
+
+    # Every call below names the incarnation the driver believes it talks to: a call meant for
+    # the process before a restart must not run on the new one's empty pools.
+
+    def _check(self, expect: str) -> None:
+        if expect != self.incarnation:
+            raise Restarted(f"stage {self.index} was restarted")
+
+    def reserve(self, expect: str, slots: int, capacity: int) -> None:
+        self._check(expect)
+        self.pool.reserve(slots, capacity)
+
+    def claim(self, expect: str) -> int:
+        self._check(expect)
+        return self.pool.claim()
+
+    def release_keeping_tail(self, expect: str, slot: int, tail: int) -> list[tuple[int, int]]:
+        self._check(expect)
+        return self.pool.release_keeping_tail(slot, tail)
+
+    def scrub(self, expect: str, slot: int) -> None:
+        self._check(expect)
+        self.pool.scrub(slot)
+
+    def run(self, expect: str, first_input, position_ids, logits_index, lengths, vision, extra, first_slot: int,
+            tokens_only: bool, with_hidden: bool = False):
+        self._check(expect)
+        kwargs = {"with_hidden": True} if with_hidden else {}
+        out = self.runner.run(self.pool, first_input, position_ids, logits_index, lengths, vision=vision,
+                              extra=extra, first_slot=first_slot, tokens_only=tokens_only, **kwargs)
+        # bound output buffers are reused by the next call: the object store gets its own copies
+        if with_hidden:
+            return tuple(np.array(a, copy=True) for a in out)
+        return np.array(out, copy=True)
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident set in bytes (Linux VmHWM; ``ru_maxrss`` would not do: it is
+    carried across exec, so a worker started by a big process reports that one's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+class _Mirror(PackedSlots):
+    """The packed-slot arithmetic alone: the driver's copy of what every stage pool does."""
+
+    def __init__(self) -> None:
+        self.slots, self.live = 0, 0
+
+    def _clear_conv_row(self, slot: int) -> None:
+        pass
+
+    def _move_row(self, dst: int, src: int) -> None:
+        pass
+
+
+class _Pipeline:
+    """The stage actors and what the driver knows of them: each one's incarnation, the pool size
+    every stage must have, and the stages restarted since the rows now live were claimed."""
+
+    def __init__(self, ray, actors: list, layers: list[tuple[int, int]], owns_cluster: bool) -> None:
+        self.ray, self.actors, self.layers = ray, actors, layers
+        self.mirror = _Mirror()
+        self.capacity = 0
+        self.infos = ray.get([a.info.remote() for a in actors])
+        self.stale: set[int] = set()  # restarted stages: they lack the state of the rows live now
+        self.gone: str | None = None  # why the pipeline can no longer run (restarts exhausted)
+        self._finalizer = weakref.finalize(self, _end, ray, list(actors), owns_cluster)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def stage_name(self, k: int) -> str:
+        return f"stage {k} (layers {self.layers[k][0]}:{self.layers[k][1]})"
+
+    def check_usable(self) -> None:
+        if self.gone is not None:
+            raise StageFailed(self.gone)
+        if self.stale and self.mirror.live:
+            names = ", ".join(self.stage_name(k) for k in sorted(self.stale))
+            raise StageFailed(f"pipeline {names} restarted after its Ray actor died and lost the state of the "
+                              "requests running then: they failed; resubmit them once they are released")
+
+    def expect(self, k: int) -> str:
+        return self.infos[k]["incarnation"]
+
+    def call(self, method: str, *args, stages=None) -> list:
+        """``method`` on every stage (or ``stages``), in parallel; a dead stage is found out."""
+        ks = list(range(len(self.actors))) if stages is None else list(stages)
+        refs = [getattr(self.actors[k], method).remote(self.expect(k), *args) for k in ks]
+        return self.get(refs)
+
+    def get(self, refs):
+        """``ray.get``; an actor that died or restarted becomes ``StageFailed`` (``failed``), a
+        ``GraphkilnError`` raised in a stage its own line again."""
+        ray = self.ray
+        try:
+            return ray.get(refs)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, GraphkilnError):
+                raise GraphkilnError(str(cause).splitlines()[0]) from None
+            failure = self.failed(exc)
+            if failure is None:
+                raise
+            raise failure from None
+
+    def failed(self, exc: BaseException) -> StageFailed | None:
+        """After an error from Ray: find which stages restarted (new incarnation) or are gone,
+        size the restarted ones' pools as the others, and return the one-line error for the
+        caller (None: every stage is the one it was, the error is not a stage failure)."""
+        ray = self.ray
+        restarted, lost = [], []
+        for k, actor in enumerate(self.actors):
+            info = self._info_after_restart(actor)
+            if info is None:
+                lost.append(k)
+                continue
+            if info["incarnation"] != self.infos[k]["incarnation"]:
+                self.infos[k] = info
+                restarted.append(k)
+                if self.mirror.slots:
+                    ray.get(actor.reserve.remote(info["incarnation"], self.mirror.slots, self.capacity))
+        if lost:
+            self.gone = (f"pipeline {', '.join(self.stage_name(k) for k in lost)} is gone (its Ray actor died and "
+                         "was not restarted): load the artifact again")
+            return StageFailed(self.gone)
+        if not restarted:
+            return None
+        if self.mirror.live:
+            self.stale.update(restarted)
+        which = ", ".join(self.stage_name(k) for k in restarted)
+        return StageFailed(f"pipeline {which} stopped mid-generation (its Ray actor died and was restarted): the "
+                           "request failed and its slots are released on the other stages; the next request will be "
+                           "served")
+
+    def _info_after_restart(self, actor, wait_s: float = RESTART_WAIT_S) -> dict | None:
+        """The actor's ``info`` once it answers (a restarting actor is "unavailable" for a
+        while: asked again until ``wait_s`` passes); None when it is dead for good."""
+        ray = self.ray
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return ray.get(actor.info.remote())
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.1)
+            except ray.exceptions.RayActorError:
+                return None
+
+    def survivors(self) -> list[int]:
+        return [k for k in range(len(self.actors)) if k not in self.stale]
+
+    def settle(self) -> None:
+        """Once no row is live, the restarted stages are as whole as the others again."""
+        if not self.mirror.live:
+            self.stale.clear()
+
+
+# The local cluster open_ray started in this process, and how many drivers still use it: it is
+# shut down with the last of them (a cluster this process joined or started itself is left alone).
+_local_cluster = {"started": False, "drivers": 0}
+
+
+def _end(ray, actors: list, owns_cluster: bool) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone, or Ray already shut down: nothing left to end
+            pass
+    if owns_cluster:
+        _local_cluster["drivers"] -= 1
+        if _local_cluster["drivers"] == 0 and _local_cluster["started"]:
+            _local_cluster["started"] = False
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+class RayStagedPool:
+    """``StatePool``'s slot API over the stage actors' pools (see the module docstring)."""
+
+    def __init__(self, pipeline: _Pipeline) -> None:
+        self.pipeline = pipeline
+
+    @property
+    def slots(self) -> int:
+        return self.pipeline.mirror.slots
+
+    @property
+    def live(self) -> int:
+        return self.pipeline.mirror.live
+
+    @property
+    def free_slots(self) -> int:
+        return self.pipeline.mirror.free_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info["nbytes"] for info in self.pipeline.call("info"))
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        p = self.pipeline
+        if p.mirror.live:
+            raise RuntimeError("RayStagedPool.reserve while slots are live")
+        if p.gone is not None:
+            raise StageFailed(p.gone)
+        p.stale.clear()
+        p.call("reserve", slots, capacity)
+        p.mirror.slots, p.capacity = slots, capacity
+
+    def claim(self) -> int:
+        p = self.pipeline
+        if p.gone is not None:
+            # nothing to replay on; the forward refuses, so a scheduler fails this request with
+            # the one line rather than its stepping loop with an exception at admission
+            return p.mirror.claim()
+        p.check_usable()
+        slot = p.mirror.claim()
+        try:
+            got = p.call("claim")
+        except StageFailed:
+            self.release(slot)  # on the stages that did claim it (a restarted one never held it)
+            raise
+        if set(got) != {slot}:  # lockstep broken: a bug, not user input
+            raise RuntimeError(f"stage pools claimed slots {got}, the driver expected {slot}")
+        return slot
+
+    def release(self, slot: int) -> int | None:
+        moves = self.release_keeping_tail(slot, 0)
+        return moves[0][0] if moves else None
+
+    def release_keeping_tail(self, slot: int, tail: int = 0) -> list[tuple[int, int]]:
+        """Replayed on every surviving stage (a restarted one never held the slot); never
+        raises for a stage that died meanwhile: releasing is what a failure's cleanup does."""
+        p = self.pipeline
+        moves = p.mirror.release_keeping_tail(slot, tail)
+        if p.gone is None:
+            try:
+                got = p.call("release_keeping_tail", slot, tail, stages=p.survivors())
+            except StageFailed:
+                got = None  # the failure is recorded in the pipeline; the next forward reports it
+            if got is not None and any(list(map(tuple, m)) != moves for m in got):
+                raise RuntimeError("stage pools moved slots differently from the driver")
+        p.settle()
+        return moves
+
+    def scrub(self, slot: int) -> None:
+        p = self.pipeline
+        if p.gone is None:
+            try:
+                p.call("scrub", slot, stages=p.survivors())
+            except StageFailed:
+                pass  # as release_keeping_tail
+
+
+class PendingRun:
+    """One forward in flight (``RayStagedDecoder.submit``); ``result`` waits for the last stage."""
+
+    def __init__(self, pipeline: _Pipeline, ref) -> None:
+        self.pipeline, self.ref = pipeline, ref
+
+    def ready(self) -> bool:
+        done, _ = self.pipeline.ray.wait([self.ref], timeout=0)
+        return bool(done)
+
+    def result(self) -> np.ndarray:
+        return self.pipeline.get(self.ref)
+
+
+class RayStagedDecoder:
+    """``DecoderGraph``'s ``spec`` and ``run`` over the stage actors (see the module docstring)."""
+
+    def __init__(self, pipeline: _Pipeline) -> None:
+        from graphkiln.runtime.stages import merged_spec
+
+        self.pipeline = pipeline
+        self.spec = merged_spec([info["spec"] for info in pipeline.infos])
+        self.has_next_token = pipeline.infos[-1]["has_next_token"]
+        self.has_hidden_states = pipeline.infos[-1]["has_hidden_states"]
+
+    def submit(self, pool: RayStagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
+               lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
+               tokens_only: bool = False, with_hidden: bool = False) -> PendingRun:
+        """Start one forward over slots first_slot.. without waiting (``DecoderGraph.run``'s
+        arguments). Stage k+1's task takes stage k's result ref: the hidden states never reach
+        the driver."""
+        p = self.pipeline
+        p.check_usable()
+        if tokens_only and not self.has_next_token:
+            raise RuntimeError("tokens_only on a graph without a next_token output")
+        if with_hidden and not self.has_hidden_states:
+            raise RuntimeError("with_hidden on a graph without a last_hidden_state output")
+        ref = input_ids
+        last = len(p.actors) - 1
+        for k, actor in enumerate(p.actors):
+            ref = actor.run.remote(p.expect(k), ref, position_ids, logits_index, lengths, vision if k == 0 else None, extra,
+                                   first_slot, tokens_only and k == last, with_hidden and k == last)
+        return PendingRun(p, ref)
+
+    def run(self, pool: RayStagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
+            lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
+            tokens_only: bool = False, with_hidden: bool = False):
+        """``submit(...).result()``: what the Engine and the scheduler call."""
+        return self.submit(pool, input_ids, position_ids, logits_index, lengths, vision, extra, first_slot,
+                           tokens_only, with_hidden).result()
+
+    def close(self) -> None:
+        """End the stage actors (and a local cluster this driver started)."""
+        self.pipeline.close()
+
+
+def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None, threads: int | None,
+             target: str | None = None, options: RayOptions | None = None) -> tuple[RayStagedDecoder, RayStagedPool]:
+    """(runner, pool) for a staged artifact with one Ray actor per stage."""
+    options = options or RayOptions()
+    if not manifest.stages:
+        raise GraphkilnError("--distributed ray runs a pipeline-staged artifact, and this one has a single graph: "
+                             "re-export with --stages N or --stage-layers, or run it without --distributed")
+    n = len(manifest.stages)
+    dirs = options.stage_dirs or tuple(str(Path(artifact_dir).resolve()) for _ in range(n))
+    if len(dirs) != n:
+        raise GraphkilnError(f"stage_dirs has {len(dirs)} entries but the artifact has {n} stages: give one per stage")
+    if manifest_digest is None:
+        from graphkiln.manifest import MANIFEST_NAME
+        import hashlib
+
+        manifest_digest = hashlib.sha256((Path(artifact_dir) / MANIFEST_NAME).read_bytes()).hexdigest()
+    ray = import_ray()
+    if not ray.is_initialized():
+        _local_cluster.update(started=False, drivers=0)
+        kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
+                  "configure_logging": True}
+        if options.address is not None:
+            ray.init(address=options.address, **kwargs)
+        else:
+            cpus = options.num_cpus or max(math.ceil(n * options.cpus_per_stage), os.cpu_count() or 1)
+            ray.init(num_cpus=cpus, **kwargs)
+            _local_cluster["started"] = True
+    owns_cluster = _local_cluster["started"]
+    if owns_cluster:
+        _local_cluster["drivers"] += 1
+    actor_class = ray.remote(StageWorker).options(num_cpus=options.cpus_per_stage, max_restarts=options.max_restarts,
+                                                  max_task_retries=0)
+    actors = [actor_class.remote(dirs[k], k, manifest_digest, threads, target) for k in range(n)]
+    try:
+        pipeline = _Pipeline(ray, actors, [st.layers for st in manifest.stages], owns_cluster)
+    except ray.exceptions.RayActorError as exc:
+        _end(ray, actors, owns_cluster)
+        # Ray keeps only the text of a failed __init__: its own one-line error is the last line
+        text = str(getattr(exc, "error_msg", None) or exc)
+        ours = [l.split("GraphkilnError: ", 1)[1] for l in text.splitlines() if "GraphkilnError: " in l]
+        if ours:
+            raise GraphkilnError(ours[-1]) from None
+        line = (text.splitlines() or [type(exc).__name__])[-1].strip()
+        raise GraphkilnError(f"a pipeline stage's Ray actor could not start ({line[:300]}): check the stage's files "
+                             "and that graphkiln is installed on every node") from None
+    except BaseException:
+        _end(ray, actors, owns_cluster)
+        raise
+    return RayStagedDecoder(pipeline), RayStagedPool(pipeline)

@@ -1,0 +1,204 @@
+"""Pipeline stages in Ray actors (issue 15): ``Engine.load(ART, distributed="ray")``.
+
+The reference is the same staged artifact chained in this process (``runtime.stages``; itself
+at parity with the single-graph artifact in test_stages): the Ray-run engine must give the same
+greedy tokens and logits (within 1e-5), through ``generate`` and through the continuous-batching
+scheduler (slot ranges from first_slot > 0, releases that move rows). Each stage's actor is
+given a directory holding only ``manifest.json`` and that stage's files, so a stage process that
+opened any other stage's file would fail to load. One local Ray cluster for the module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime import Engine, GenerationConfig
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (pip install 'graphkiln[distributed]')")
+
+# (checkpoint, stages): dense with tied embeddings, and the conv/attention hybrid (conv state rows
+# are cleared on claim and moved on release: the slot replay matters for them)
+CASES = [("qwen3_mixed_sliding", 2), ("lfm2", 2)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'graphkiln[distributed]')")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def staged(tiny, tmp_path_factory):
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    from conftest import MAX_SEQ_LEN
+
+    made = {}
+
+    def get(name: str, stages: int):
+        if (name, stages) not in made:
+            case = tiny(name, "onnxruntime")
+            out = tmp_path_factory.mktemp("raystaged") / f"{name}-{stages}"
+            manifest = export_model(str(case.checkpoint), out,
+                                    ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, stages=stages))
+            made[name, stages] = (case, out, manifest)
+        return made[name, stages]
+
+    return get
+
+
+def _stage_dirs(art, manifest, root) -> tuple[str, ...]:
+    """Per stage a directory with manifest.json and that stage's files only."""
+    dirs = []
+    for k, st in enumerate(manifest.stages):
+        d = root / f"stage{k}"
+        d.mkdir()
+        for rel in ("manifest.json", *st.files):
+            shutil.copy2(art / rel, d / rel)
+        dirs.append(str(d))
+    return tuple(dirs)
+
+
+def _greedy(n: int, **kw) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, stop_token_ids=(), **kw)
+
+
+@needs_ray
+@pytest.mark.parametrize("name,stages", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_ray_stages_match_in_process(cluster, staged, tmp_path, name, stages):
+    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.scheduler import Scheduler
+
+    case, art, manifest = staged(name, stages)
+    local = Engine.load(art)
+    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path)))
+    try:
+        # each stage in its own process, holding only its own layers' state
+        infos = dist.decoder.pipeline.call("info")
+        assert len({i["pid"] for i in infos} | {os.getpid()}) == stages + 1
+
+        prompts = case.prompts([7, 3, 12], salt=5)
+        config = _greedy(32, output_logits=True)
+        for a, b in zip(local.generate(prompts, config), dist.generate(prompts, config)):
+            assert b.token_ids == a.token_ids and len(a.token_ids) == 32
+            np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-5)
+        want = [r.token_ids for r in local.generate(prompts, _greedy(32))]  # the folded next_token path
+        assert [r.token_ids for r in dist.generate(prompts, _greedy(32))] == want
+        for st, info in zip(manifest.stages, dist.decoder.pipeline.call("info")):
+            assert set(info["layers"]) == {l for s in st.states for l in s.layers} and info["live"] == 0
+
+        # continuous batching: decode rows and a prefill range (first_slot > 0) run as separate
+        # forwards, releases move rows; every stage replays the same slot moves
+        more = case.prompts([9, 4, 15, 6], salt=6)
+        alone = [local.generate(p, _greedy(12))[0].token_ids for p in more]
+        sched = Scheduler(dist, max_batch=3, step_tokens=8)
+        sched.start()
+        try:
+            handles = [sched.submit(p, _greedy(12)) for p in more]
+            got = [h.result(timeout=60).token_ids for h in handles]
+        finally:
+            sched.shutdown(30)
+        assert got == alone
+        assert [i["live"] for i in dist.decoder.pipeline.call("info")] == [0] * stages
+    finally:
+        dist.decoder.close()
+
+
+@needs_ray
+def test_killed_stage_fails_the_request_and_the_next_is_served(cluster, staged):
+    from graphkiln.runtime.distributed import StageFailed
+
+    case, art, manifest = staged("qwen3_mixed_sliding", 2)
+    prompts = case.prompts([5, 9], salt=7)
+    want = [r.token_ids for r in Engine.load(art).generate(prompts, _greedy(16))]
+    dist = Engine.load(art, threads=1, distributed="ray")
+    try:
+        pipeline = dist.decoder.pipeline
+        before = pipeline.call("info")
+        stream = dist.stream(prompts, _greedy(32))
+        for _ in range(4):
+            next(stream)
+        assert dist.pool.live == 2
+        cluster.kill(pipeline.actors[1], no_restart=False)
+        deadline = time.monotonic() + 30
+        while _alive(before[1]["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lo, hi = manifest.stages[1].layers
+        with pytest.raises(StageFailed, match=rf"^pipeline stage 1 \(layers {lo}:{hi}\) stopped mid-generation") as info:
+            for _ in stream:
+                pass
+        assert "\n" not in str(info.value)
+        # the request's slots are released on the survivor; the restarted stage holds none
+        after = pipeline.call("info")
+        assert after[0]["incarnation"] == before[0]["incarnation"] and after[0]["live"] == 0
+        assert after[1]["incarnation"] != before[1]["incarnation"] and after[1]["live"] == 0
+        assert after[1]["pid"] != before[1]["pid"] and dist.pool.live == 0
+        # the next request is served by the restarted stage, with the same tokens
+        assert [r.token_ids for r in dist.generate(prompts, _greedy(16))] == want
+    finally:
+        dist.decoder.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_distributed_without_ray_is_one_line_and_writes_nothing(staged, tmp_path):
+    """Ray made unimportable in a fresh interpreter (``sys.modules["ray"] = None``: ``import
+    ray`` raises ImportError, as when it is not installed), through the CLI and the API."""
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    before = sorted((p.relative_to(art), p.stat().st_mtime_ns) for p in art.rglob("*"))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from graphkiln.cli import main\n"
+            f"code = main(['run', {str(art)!r}, '--prompt-ids', '3,4,5', '--distributed', 'ray'])\n"
+            "from graphkiln.runtime import Engine\n"
+            "try:\n"
+            f"    Engine.load({str(art)!r}, distributed='ray')\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))\n"
+            "sys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 2, proc.stderr
+    line = "--distributed ray needs Ray, which is not installed: pip install 'graphkiln[distributed]'"
+    assert proc.stderr == f"error: {line}\n"
+    assert proc.stdout == f"GraphkilnError: {line}\n"
+    assert sorted((p.relative_to(art), p.stat().st_mtime_ns) for p in art.rglob("*")) == before
+    assert list(work.iterdir()) == []
+
+
+def test_distributed_choice_is_checked(staged):
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    with pytest.raises(GraphkilnError, match="distributed 'mpi' is not supported: choose one of ray"):
+        Engine.load(art, distributed="mpi")
+
+
+@needs_ray
+def test_stage_directory_without_its_file_is_one_line(cluster, staged, tmp_path):
+    from graphkiln.runtime.distributed import RayOptions
+
+    _, art, manifest = staged("qwen3_mixed_sliding", 2)
+    dirs = _stage_dirs(art, manifest, tmp_path)
+    data = next(f for f in manifest.stages[1].files if f.endswith(".data"))
+    os.remove(os.path.join(dirs[1], data))
+    with pytest.raises(GraphkilnError, match=rf"^stage 1 file {data} in .* is missing or fails its sha256 check") as info:
+        Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=dirs))
+    assert "\n" not in str(info.value)
