@@ -33,8 +33,12 @@ CASES = [("qwen3_mixed_sliding", 2), ("lfm2", 2)]
 
 @pytest.fixture(scope="module")
 def cluster():
+    import signal
+
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'graphkiln[distributed]')")
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs sys.exit for SIGTERM, for good
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=True)
+    signal.signal(signal.SIGTERM, sigterm)
     yield ray
     ray.shutdown()
 
@@ -183,6 +187,24 @@ def test_distributed_without_ray_is_one_line_and_writes_nothing(staged, tmp_path
     assert proc.stdout == f"GraphkilnError: {line}\n"
     assert sorted((p.relative_to(art), p.stat().st_mtime_ns) for p in art.rglob("*")) == before
     assert list(work.iterdir()) == []
+
+
+@needs_ray
+def test_a_local_cluster_leaves_the_sigterm_handler_in_place(staged):
+    """ray.init replaces the process's SIGTERM handler with sys.exit (and keeps it after
+    shutdown); an Engine that starts a local cluster puts the caller's handler back, so
+    ``serve --distributed ray`` still drains on SIGTERM. In a fresh interpreter: no cluster yet."""
+    case, art, _ = staged("qwen3_mixed_sliding", 2)
+    code = ("import signal, sys\n"
+            "mine = lambda *a: None\n"
+            "signal.signal(signal.SIGTERM, mine)\n"
+            "from graphkiln.runtime import Engine, GenerationConfig\n"
+            f"engine = Engine.load({str(art)!r}, threads=1, distributed='ray')\n"
+            "engine.generate([[3, 4, 5]], GenerationConfig(max_new_tokens=2))\n"
+            "sys.exit(0 if signal.getsignal(signal.SIGTERM) is mine else 3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_distributed_choice_is_checked(staged):

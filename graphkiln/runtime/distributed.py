@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 import uuid
 import weakref
@@ -493,12 +495,20 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
         _local_cluster.update(started=False, drivers=0)
         kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
                   "configure_logging": True}
-        if options.address is not None:
-            ray.init(address=options.address, **kwargs)
-        else:
-            cpus = options.num_cpus or max(math.ceil(n * options.cpus_per_stage), os.cpu_count() or 1)
-            ray.init(num_cpus=cpus, **kwargs)
-            _local_cluster["started"] = True
+        # ray.init replaces this process's SIGTERM handler with sys.exit, and it stays after
+        # ray.shutdown: the CLI's own handling (serve's draining, cleanup on interruption) must
+        # keep working, so the handler in place before is put back.
+        sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            if options.address is not None:
+                ray.init(address=options.address, **kwargs)
+            else:
+                cpus = options.num_cpus or max(math.ceil(n * options.cpus_per_stage), os.cpu_count() or 1)
+                ray.init(num_cpus=cpus, **kwargs)
+                _local_cluster["started"] = True
+        finally:
+            if threading.current_thread() is threading.main_thread() and sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
     owns_cluster = _local_cluster["started"]
     if owns_cluster:
         _local_cluster["drivers"] += 1
