@@ -26,9 +26,9 @@ from graphkiln.runtime import Engine, GenerationConfig
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed (pip install 'graphkiln[distributed]')")
 
-# (checkpoint, stages): dense with tied embeddings, and the conv/attention hybrid (conv state rows
-# are cleared on claim and moved on release: the slot replay matters for them)
-CASES = [("qwen3_mixed_sliding", 2), ("lfm2", 2)]
+# (checkpoint, stages): the conv/attention hybrid (conv state rows are cleared on claim and moved
+# on release: the slot replay matters most for them; the dense model runs in the kill test)
+CASES = [("lfm2", 2)]
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +198,8 @@ def test_a_local_cluster_leaves_the_sigterm_handler_in_place(staged):
     code = ("import signal, sys\n"
             "mine = lambda *a: None\n"
             "signal.signal(signal.SIGTERM, mine)\n"
-            "from graphkiln.runtime import Engine, GenerationConfig\n"
+            "from graphkiln.runtime import Engine\n"
             f"engine = Engine.load({str(art)!r}, threads=1, distributed='ray')\n"
-            "engine.generate([[3, 4, 5]], GenerationConfig(max_new_tokens=2))\n"
             "sys.exit(0 if signal.getsignal(signal.SIGTERM) is mine else 3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

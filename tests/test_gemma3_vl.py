@@ -225,12 +225,6 @@ def test_parity_batch_of_two_where_one_prompt_has_no_image(engine, reference):
     assert alone.token_ids == results[1].token_ids
 
 
-def test_the_portable_graph_takes_images_too(artifacts, reference):
-    engine = Engine.load(artifacts("portable"))
-    p = [BOI] + text(3, 11) + [BOI]  # images at both ends
-    check_parity(engine, reference, [p, text(6, 12)], [[rgb(6, 36, 36), rgb(7, 20, 64)], None])
-
-
 def test_a_repeated_image_hits_the_cache_and_gives_the_same_tokens(artifacts):
     engine = Engine.load(artifacts("onnxruntime"), check_files=False)
     image, p = rgb(8, 40, 52), text(3, 13) + [BOI] + text(3, 14)

@@ -76,7 +76,9 @@ def _random_feeds(graph_spec, seed: int) -> dict:
     return feeds
 
 
-@pytest.mark.parametrize("name", list(STAMP_SPECS))
+# qwen3_moe_x5's dense-among-MoE templates are also lfm2_moe_x6's (there with conv layers); the
+# stamped artifact of every spec is checked against transformers below
+@pytest.mark.parametrize("name", [n for n in STAMP_SPECS if n != "qwen3_moe_x5"])
 def test_stamped_graph_equals_the_fully_traced_one(checkpoints, tmp_path, name):
     import onnxruntime as ort
 
@@ -106,7 +108,9 @@ def test_stamped_graph_equals_the_fully_traced_one(checkpoints, tmp_path, name):
         assert np.abs(a - b).max() <= 1e-5, f"{name}: {spec.name} differs by {np.abs(a - b).max():.3g}"
 
 
-@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+# onnxruntime only: layers are stamped before any lowering, so every target's graph is lowered
+# from the same stamped graph (the parity tests run all three targets on stamped exports)
+@pytest.mark.parametrize("target", ["onnxruntime"])
 @pytest.mark.parametrize("name", list(STAMP_SPECS))
 def test_stamped_artifact_matches_transformers(checkpoints, tmp_path, name, target):
     import torch
