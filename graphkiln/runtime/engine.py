@@ -22,7 +22,7 @@ from graphkiln.runtime.prompt_layout import PromptLayout, needed_roles, pack
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, _is_int
 from graphkiln.runtime.sampling import SamplingParams
 from graphkiln.runtime.scheduler import NonFiniteLogitsError  # noqa: F401  (raised by generate/stream: importable here)
-from graphkiln.runtime.scheduler import _Batch, _Request, make_request, result_of
+from graphkiln.runtime.scheduler import StepBatch, RequestState, make_request, result_of
 from graphkiln.runtime.state import PAD_ID
 from graphkiln.runtime.tokenizer import Tokenizer
 from graphkiln.runtime.vision import (DEFAULT_CACHE_BYTES, ImageInput, VisionEncoder, check_placeholder_count,
@@ -45,7 +45,7 @@ class Engine:
     guard is a lock taken without blocking before any work, so it is atomic. Concurrent
     callers should each load their own Engine (engines share nothing), or share one through a
     ``runtime.scheduler.Scheduler``, which holds the engine and batches their requests
-    continuously; ``generate`` and ``stream`` run the same step (``scheduler._Batch``) over one
+    continuously; ``generate`` and ``stream`` run the same step (``scheduler.StepBatch``) over one
     call's prompts in the caller's thread.
 
     Vision-language artifacts (``manifest.vision``): ``generate``, ``stream`` and
@@ -271,14 +271,14 @@ class Engine:
             layout = with_rope_positions(layout, ids, images, self.manifest.vision)
         return layout
 
-    def _extra(self, reqs: Sequence[_Request], starts: np.ndarray, seq: int) -> dict[str, np.ndarray] | None:
+    def _extra(self, reqs: Sequence[RequestState], starts: np.ndarray, seq: int) -> dict[str, np.ndarray] | None:
         """The layout inputs of one step over ``reqs`` (row b: request b from ``starts[b]``); None when
         the graph takes none (the GPU runners, which refuse such artifacts, take no ``extra``)."""
         if not self._layout_roles:
             return None
         return pack(self._layout_roles, [r.layout for r in reqs], starts, seq)
 
-    def _encode_images(self, reqs: Sequence[_Request]) -> None:
+    def _encode_images(self, reqs: Sequence[RequestState]) -> None:
         """Each request's image rows (``image_rows``), from the cache or one vision-graph pass
         over every image not cached."""
         todo = [r for r in reqs if r.images]
@@ -337,7 +337,7 @@ class Engine:
         """Generate for one prompt or a batch; ``images``: per prompt a list of images or None
         (for a single prompt, its list of images or one image). ``prompt_ids`` of each result are
         the ids the model saw (image tokens expanded)."""
-        reqs: list[_Request] = []
+        reqs: list[RequestState] = []
         for _ in self._run(self._as_batch(prompts), config, reqs, images, _is_single(prompts)):
             pass
         return [result_of(r) for r in reqs]
@@ -369,7 +369,7 @@ class Engine:
             prompts = list(prompt_ids)
             if not prompts:
                 raise GraphkilnError("prompt_logits needs at least one prompt")
-            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
+            reqs = [RequestState(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
                     for i, (ids, loaded, pos) in enumerate(self._prepare(prompts, images, single=False))]
             self._encode_images(reqs)
             ids = [r.prompt_ids for r in reqs]
@@ -406,7 +406,7 @@ class Engine:
             batch = self._as_batch(prompts)
             if not batch:
                 raise GraphkilnError(f"{what} needs at least one prompt")
-            reqs = [_Request(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
+            reqs = [RequestState(i, ids, 0, None, images=loaded, image_positions=pos, layout=self._layout(ids, loaded, pos))
                     for i, (ids, loaded, pos) in enumerate(self._prepare(batch, images, single=_is_single(prompts)))]
             self._encode_images(reqs)
             ids = [r.prompt_ids for r in reqs]
@@ -435,7 +435,7 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _prefill(self, reqs: list[_Request], logits_index: np.ndarray, with_hidden: bool = False):
+    def _prefill(self, reqs: list[RequestState], logits_index: np.ndarray, with_hidden: bool = False):
         """One prefill of ``reqs`` (request b in batch row b), each request's image rows replacing
         the embeddings at its image positions (flat token row ``b * seq + position``); the runner's
         logits, or with ``with_hidden`` (logits, hidden states)."""
@@ -458,7 +458,7 @@ class Engine:
         return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths,
                                 vision=(rows, indices), **kwargs)
 
-    def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
+    def _run(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[RequestState], images=None,
              single: bool = False) -> Iterator[TokenEvent]:
         """The events of one session; holds the engine from the first item until the generator
         finishes, fails or is closed (``yield from`` passes a close on to ``_steps``, whose
@@ -466,9 +466,9 @@ class Engine:
         with self._exclusive():
             yield from self._steps(prompts, config, reqs, images, single)
 
-    def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[_Request], images=None,
+    def _steps(self, prompts: list[Prompt], config: GenerationConfig | None, reqs: list[RequestState], images=None,
                single: bool = False) -> Iterator[TokenEvent]:
-        """One call's prompts as a batch of the scheduler's step (``runtime.scheduler._Batch``):
+        """One call's prompts as a batch of the scheduler's step (``runtime.scheduler.StepBatch``):
         all admitted at the first step (one batched prefill of whole prompts, no token budget),
         then decoded together, each leaving as it finishes. A request's error (NaN logits) is
         raised at the step that meets it, before that step's events."""
@@ -488,7 +488,7 @@ class Engine:
         self._encode_images(active)  # before any slot is claimed: a failure holds nothing
         capacity = max(r.position + r.budget for r in active)
         self.pool.reserve(len(active), capacity)
-        batch = _Batch(self, step_tokens=None, joinable=False)
+        batch = StepBatch(self, step_tokens=None, joinable=False)
         waiting = deque(active)
         try:
             while waiting or batch.rows:

@@ -1,7 +1,7 @@
 """Continuous batching: requests join and leave a running batch at step boundaries.
 
-One step is one cycle a reader can follow (``_Batch.plan`` then ``_Batch.execute`` then
-``_Batch.retire``):
+One step is one cycle a reader can follow (``StepBatch.plan`` then ``StepBatch.execute`` then
+``StepBatch.retire``):
 
 1. **admit**: cancelled requests leave; waiting requests are taken, first come first served,
    while there is a free slot and token budget (``step_tokens``: each decoding row costs one
@@ -95,7 +95,7 @@ class SchedulerStats:
 
 
 @dataclass(eq=False)
-class _Request:
+class RequestState:
     """Mutable state of one request. ``slot`` is its state-pool slot (also its batch row) while
     it runs, None before it starts and after it is released; ``done`` counts its prompt tokens
     already in the cache (prefill is over when ``done == len(prompt_ids)``). ``events`` holds
@@ -138,12 +138,12 @@ class _Request:
 
 
 def make_request(engine: "Engine", index: int, ids: list[int], images: list, image_positions, cfg: GenerationConfig,
-                 params: SamplingParams) -> _Request:
+                 params: SamplingParams) -> RequestState:
     """A request ready to be admitted (``cfg`` resolved by ``Engine._resolve``); its sampler is
     seeded by (seed, index) so its samples depend on nothing else in the batch."""
     budget = min(cfg.max_new_tokens, engine.max_seq_len - len(ids))
     detok = IncrementalDetokenizer(engine.tokenizer) if engine.tokenizer is not None else None
-    return _Request(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok, images=images,
+    return RequestState(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok, images=images,
                     image_positions=image_positions, layout=engine._layout(ids, images, image_positions), cfg=cfg,
                     params=params, stop_ids=frozenset(cfg.stop_token_ids))
 
@@ -153,14 +153,14 @@ class _Plan:
     """One step's work: ``decode`` rows are slots ``[0, len(decode))``; ``prefill`` rows follow
     them, each covering prompt positions ``[start, end)`` (same ``start`` for a fresh group: 0)."""
 
-    decode: list[_Request]
-    prefill: list[_Request]
+    decode: list[RequestState]
+    prefill: list[RequestState]
     start: int = 0
     ends: list[int] = field(default_factory=list)
-    cancelled: list[_Request] = field(default_factory=list)
+    cancelled: list[RequestState] = field(default_factory=list)
 
 
-class _Batch:
+class StepBatch:
     """The running requests of one state pool, stepped by a driver: ``Engine`` (one call's
     prompts, in the caller's thread) or ``Scheduler`` (its stepping thread).
 
@@ -174,8 +174,8 @@ class _Batch:
         self.pool = engine.pool
         self.step_tokens = step_tokens  # None: no budget (whole prompts, as many as have slots)
         self.joinable = joinable  # the runner can run a range of slots from first_slot > 0
-        self.rows: list[_Request] = []
-        self.partial: _Request | None = None
+        self.rows: list[RequestState] = []
+        self.partial: RequestState | None = None
         # the runner can return the graph's argmax instead of logits (DecoderGraph.run tokens_only)
         self.folded = bool(getattr(engine.decoder, "has_next_token", False))
         self.prompt_tokens = 0  # prefilled so far (the driver's totals)
@@ -183,7 +183,7 @@ class _Batch:
 
     # -- admit, claim -----------------------------------------------------------------------
 
-    def plan(self, waiting: deque[_Request]) -> _Plan:
+    def plan(self, waiting: deque[RequestState]) -> _Plan:
         """Admit from ``waiting`` (popping what it takes) and claim the new requests' slots.
         Cancelled requests, running or waiting, finish with "cancelled" here first and are
         listed in the plan's ``cancelled`` (their slots already released)."""
@@ -201,7 +201,7 @@ class _Batch:
         if self.partial is not None:
             r = self.partial
             return _Plan(decode, [r], r.done, [_chunk_end(r, r.done, budget)], cancelled)
-        group: list[_Request] = []
+        group: list[RequestState] = []
         ends: list[int] = []
         longest = 0
         if self.joinable or not self.rows:
@@ -224,7 +224,7 @@ class _Batch:
 
     # -- pack, run, sample, commit ------------------------------------------------------------
 
-    def execute(self, plan: _Plan) -> list[_Request]:
+    def execute(self, plan: _Plan) -> list[RequestState]:
         """Run the plan's decode rows, then its prefill rows; each request that chose a token
         has its event in ``events`` (or its ``error``). Returns the requests that did, in slot
         order. An exception from the runner itself propagates (the driver decides its fate).
@@ -241,7 +241,7 @@ class _Batch:
             outs = (p.result() for p in pending)
         else:
             outs = (decoder.run(self.pool, *args, **kwargs) for args, kwargs, _ in runs)
-        stepped: list[_Request] = []
+        stepped: list[RequestState] = []
         for (_, _, finish), out in zip(runs, outs):
             stepped += finish(out)
         return stepped
@@ -256,7 +256,7 @@ class _Batch:
         extra = self.engine._extra(reqs, positions[:, 0], 1)
         hidden = any(r.cfg.return_hidden_states for r in reqs)
 
-        def finish(out) -> list[_Request]:
+        def finish(out) -> list[RequestState]:
             if hidden:
                 out, states = out
                 for row, r in enumerate(reqs):
@@ -293,7 +293,7 @@ class _Batch:
         fold = self.folded and all(r.folds for r, f in zip(reqs, finishing) if f)
         extra = self.engine._extra(reqs, positions[:, 0], seq)
 
-        def finish(out) -> list[_Request]:
+        def finish(out) -> list[RequestState]:
             if hidden:
                 out, states = out
                 for row, (r, end, f) in enumerate(zip(reqs, ends, finishing)):
@@ -335,7 +335,7 @@ class _Batch:
         return kwargs
 
     @staticmethod
-    def _vision(reqs: list[_Request], start: int, ends: list[int], seq: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def _vision(reqs: list[RequestState], start: int, ends: list[int], seq: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The image rows inside this chunk and their flat token rows ``b * seq + position - start``
         (rows outside the chunk are fed by the chunk that holds them)."""
         rows, indices = [], []
@@ -350,7 +350,7 @@ class _Batch:
             return None
         return np.concatenate(rows), np.concatenate(indices).astype(np.int64)
 
-    def _choose(self, r: _Request, out: np.ndarray, folded: bool) -> None:
+    def _choose(self, r: RequestState, out: np.ndarray, folded: bool) -> None:
         """Commit request r's next token, chosen from its logits row or the graph's argmax;
         a non-finite row becomes the request's ``error``."""
         try:
@@ -378,7 +378,7 @@ class _Batch:
         for r in sorted(self.rows, key=lambda r: -r.slot):
             self._release(r)
 
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: RequestState) -> None:
         if r.error is not None and hasattr(self.pool, "scrub"):
             self.pool.scrub(r.slot)  # a failed request may leave NaN rows (StatePool.scrub)
         if r is self.partial:
@@ -391,7 +391,7 @@ class _Batch:
         r.slot = None
 
 
-def _chunk_end(r: _Request, start: int, budget: float) -> int:
+def _chunk_end(r: RequestState, start: int, budget: float) -> int:
     n = len(r.prompt_ids)
     if budget >= n - start:
         return n
@@ -399,12 +399,12 @@ def _chunk_end(r: _Request, start: int, budget: float) -> int:
     return r.layout.chunk_end(start, budget) if r.layout is not None else min(start + budget, n)
 
 
-def _finish_cancelled(r: _Request) -> None:
+def _finish_cancelled(r: RequestState) -> None:
     r.finish_reason = "cancelled"
     r.events.append(TokenEvent(r.index, NO_TOKEN, "", None, "cancelled"))
 
 
-def _commit(engine: "Engine", r: _Request, token: int, logits: np.ndarray | None) -> None:
+def _commit(engine: "Engine", r: RequestState, token: int, logits: np.ndarray | None) -> None:
     """Append request r's next token, update its text and stop state, and queue its event."""
     cfg = r.cfg
     r.tokens.append(token)
@@ -447,7 +447,7 @@ def _pending_stop(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def result_of(r: _Request) -> GenerationResult:
+def result_of(r: RequestState) -> GenerationResult:
     """What ``generate`` returns for a request (log-probabilities and logits only when asked)."""
     return GenerationResult(prompt_ids=r.prompt_ids, token_ids=r.tokens, text=r.text if r.detokenizer else None,
                             finish_reason=r.finish_reason, logprobs=r.logprobs if r.cfg.logprobs is not None else None,
@@ -468,7 +468,7 @@ class RequestHandle:
     (a broken artifact's NaN logits, a runner error) ends without one and its ``error`` (a
     GraphkilnError) is raised by ``events``, ``aevents`` and ``result``."""
 
-    def __init__(self, scheduler: "Scheduler", request: _Request) -> None:
+    def __init__(self, scheduler: "Scheduler", request: RequestState) -> None:
         self.id: int = request.index
         self.prompt_ids: list[int] = request.prompt_ids  # the ids the model sees (image tokens expanded)
         self._scheduler = scheduler
@@ -585,7 +585,7 @@ class Scheduler:
         self.step_tokens = step_tokens
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[RequestState] = deque()
         self._next_id = 0
         self._stopping = False  # no more submits (shutdown began, or the stepping thread ended)
         self._shut = False  # shutdown was called (the engine is released once)
@@ -595,7 +595,7 @@ class Scheduler:
             from graphkiln.runtime.engine import BUSY
 
             raise GraphkilnError(BUSY)
-        self._batch = _Batch(engine, step_tokens=step_tokens,
+        self._batch = StepBatch(engine, step_tokens=step_tokens,
                              joinable=_takes(engine.decoder.run, "first_slot"))
         self._total_slots = 0
 
@@ -764,7 +764,7 @@ class Scheduler:
             for r in failed:
                 self._hand_over(r)
 
-    def _hand_over(self, r: _Request) -> None:
+    def _hand_over(self, r: RequestState) -> None:
         """Pass r's new events (and its end) to its handle."""
         events, r.events = r.events, []
         if r.handle is not None:
