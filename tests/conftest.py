@@ -227,6 +227,24 @@ VLM_SPECS: dict[str, Spec] = {
 }
 
 
+def tokens_through_scheduler(artifact: Path, prompts, images, config, step_tokens: int, max_batch: int = 2):
+    """Each request's greedy tokens when ``prompts`` (with their ``images``) go through one
+    continuous-batching Scheduler over a fresh Engine; every slot must be free afterwards."""
+    from graphkiln.runtime import Engine
+    from graphkiln.runtime.scheduler import Scheduler
+
+    engine = Engine.load(artifact)
+    sched = Scheduler(engine, max_batch=max_batch, step_tokens=step_tokens)
+    sched.start()
+    try:
+        handles = [sched.submit(p, config, images=im) for p, im in zip(prompts, images)]
+        tokens = [h.result(timeout=120).token_ids for h in handles]
+    finally:
+        sched.shutdown(10)
+    assert engine.pool.live == 0
+    return tokens
+
+
 def traits(spec: Spec) -> set[str]:
     """Attention/model variants a spec really has, derived from its config (not from its labels)."""
     c = spec.config

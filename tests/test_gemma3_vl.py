@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cli_contract import assert_nothing_written, assert_one_error, run_cli
-from conftest import MAX_SEQ_LEN, Spec, build_checkpoint
+from conftest import MAX_SEQ_LEN, Spec, build_checkpoint, tokens_through_scheduler
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.vision import expand_placeholders
@@ -335,20 +335,10 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifac
     image (its tokens see each other, so it must be prefilled whole: PromptLayout.chunk_end),
     and every request's greedy tokens equal the request run alone."""
     from graphkiln.runtime import Engine
-    from graphkiln.runtime.scheduler import Scheduler
-
     prompts = [text(3, 31) + [BOI] + text(5, 32), text(9, 33), text(2, 34) + [BOI] + text(1, 35) + [BOI]]
     images = [[rgb(11, 50, 60)], None, [rgb(12, 40, 40), rgb(13, 64, 48)]]
     alone = [engine.generate([p], greedy(), images=[im])[0].token_ids for p, im in zip(prompts, images)]
     step_tokens = 3
     assert TOKENS_PER_IMAGE > step_tokens
 
-    staged = Engine.load(artifacts("onnxruntime"))
-    sched = Scheduler(staged, max_batch=2, step_tokens=step_tokens)
-    sched.start()
-    try:
-        handles = [sched.submit(p, greedy(), images=im) for p, im in zip(prompts, images)]
-        assert [h.result(timeout=120).token_ids for h in handles] == alone
-    finally:
-        sched.shutdown(10)
-    assert staged.pool.live == 0
+    assert tokens_through_scheduler(artifacts("onnxruntime"), prompts, images, greedy(), step_tokens) == alone

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import MAX_SEQ_LEN, Spec, build_checkpoint
+from conftest import MAX_SEQ_LEN, Spec, build_checkpoint, tokens_through_scheduler
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.mrope import rope_positions
@@ -354,8 +354,6 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifac
     rows are fed chunk by chunk (rotary positions from the request's layout, not the cache
     positions), decode steps continue from rope_delta, and every request's greedy tokens equal
     the request run alone."""
-    from graphkiln.runtime.scheduler import Scheduler
-
     prompts = [text_ids(3, 41) + [TOKEN] + text_ids(4, 42), text_ids(7, 43),
                [TOKEN] + text_ids(2, 44) + [TOKEN] + text_ids(1, 45)]
     images = [[rgb(21, 112, 140)], None, [rgb(22, 84, 84), rgb(23, 56, 112)]]
@@ -363,12 +361,4 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifac
     step_tokens = 5
     assert min(engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
 
-    other = Engine.load(artifacts("onnxruntime"))
-    sched = Scheduler(other, max_batch=2, step_tokens=step_tokens)
-    sched.start()
-    try:
-        handles = [sched.submit(p, greedy(), images=im) for p, im in zip(prompts, images)]
-        assert [h.result(timeout=120).token_ids for h in handles] == alone
-    finally:
-        sched.shutdown(10)
-    assert other.pool.live == 0
+    assert tokens_through_scheduler(artifacts("onnxruntime"), prompts, images, greedy(), step_tokens) == alone

@@ -22,6 +22,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.vision import EmbeddingCache, check_placeholder_count, expand_placeholders
 from cli_contract import assert_one_error, run_cli
+from conftest import tokens_through_scheduler
 
 ATOL = 1e-4
 STEPS = 16
@@ -443,8 +444,6 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(clip):
     """Continuous batching with a step budget smaller than an image's rows: each image is
     prefilled across several chunks (the seam skips the rows outside each chunk) while other
     requests decode, and every request's greedy tokens equal the request run alone."""
-    from graphkiln.runtime.scheduler import Scheduler
-
     t = token(clip)
     prompts = [text_ids(clip, 3, 21) + [t] + text_ids(clip, 4, 22), text_ids(clip, 6, 23),
                [t] + text_ids(clip, 2, 24) + [t]]
@@ -454,12 +453,4 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(clip):
     step_tokens = 4
     assert min(alone_engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
 
-    engine = Engine.load(clip.artifact)
-    sched = Scheduler(engine, max_batch=2, step_tokens=step_tokens)
-    sched.start()
-    try:
-        handles = [sched.submit(p, greedy(), images=im) for p, im in zip(prompts, images)]
-        assert [h.result(timeout=120).token_ids for h in handles] == alone
-    finally:
-        sched.shutdown(10)
-    assert engine.pool.live == 0
+    assert tokens_through_scheduler(clip.artifact, prompts, images, greedy(), step_tokens) == alone
