@@ -134,8 +134,10 @@ def _verify(args) -> int:
 
     # every decoder graph the artifact carries (one per export target), each as onnxruntime runs it
     engine = Engine.load(args.artifact, target=args.target)
+    # a staged artifact: its first stage's graph per target stands for that target's chain
+    first = engine.manifest.stages[0].graph if engine.manifest.stages else "decoder"
     graphs = [engine.decoder.spec] + ([] if args.target else [
-        g for g in engine.manifest.graphs if g.name == "decoder" and g is not engine.decoder.spec])
+        g for g in engine.manifest.graphs if g.name == first and g.target != engine.decoder.spec.target])
     passed = True
     for i, graph in enumerate(graphs):
         if i:

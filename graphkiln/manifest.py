@@ -597,12 +597,22 @@ class Manifest:
             if (e.graph, e.target, e.backend) in [(o.graph, o.target, o.backend) for o in self.engines[:i]]:
                 raise _FieldError(("engines", i), f"repeats the {e.backend} engine of graph {e.graph!r}")
         has_vision_graph = "vision" in names
-        seams = [g for g in self.graphs if g.name == "decoder" and any(t.role == "vision_embeddings" for t in g.inputs)]
+        # the seam is the first graph's: the decoder's, or a staged artifact's first stage's
+        first = "stage0" if self.stages else "decoder"
+        seams = [g for g in self.graphs if any(t.role == "vision_embeddings" for t in g.inputs)]
+        if any(g.name != first for g in seams):
+            raise _FieldError(("graphs",), f"graph {next(g.name for g in seams if g.name != first)!r} takes "
+                              f"vision_embeddings, which only the {first} graph may take")
         if self.vision is not None:
             if not has_vision_graph:
                 raise _FieldError(("vision",), "is set but the artifact has no graph named 'vision'")
-            if len(seams) != names.count("decoder"):
-                raise _FieldError(("vision",), "is set but a decoder graph lacks the vision_embeddings seam")
+            if len(seams) != names.count(first):
+                raise _FieldError(("vision",), f"is set but a {first} graph lacks the vision_embeddings seam")
+            if self.stages:  # the process running the first stage runs the vision graph too
+                for g in self.graphs:
+                    if g.name == "vision" and g.file not in self.stages[0].files:
+                        raise _FieldError(("stages", 0, "files"), f"does not list the vision graph file {g.file!r} "
+                                          "(the vision graph belongs to the first stage)")
             if self.vision.image_token_id >= vocab:
                 raise _FieldError(("vision", "image_token_id"), f"is {self.vision.image_token_id}, outside the "
                                   f"vocabulary [0, {vocab})")

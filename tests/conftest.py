@@ -245,6 +245,32 @@ def tokens_through_scheduler(artifact: Path, prompts, images, config, step_token
     return tokens
 
 
+def staged_vlm_equals_single(single, checkpoint: Path, out: Path, prompts, images, stages=2, steps: int = 32):
+    """Export ``checkpoint`` as a staged vision-language artifact at ``out`` and check it against
+    the single-graph ``single`` Engine: the vision graph owned by stage 0 (its files, the seam on
+    its graph only), prompt logits and ``steps`` greedy steps' logits within 1e-5, identical
+    tokens, every slot free after. Returns the staged Engine."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+    from graphkiln.runtime import Engine, GenerationConfig
+
+    kw = {"stages": stages} if isinstance(stages, int) else {"stage_layers": stages}
+    manifest = export_model(str(checkpoint), out, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, **kw))
+    vision = manifest.graph_for("vision", "onnxruntime")
+    assert vision.file in manifest.stages[0].files
+    assert not any(f.startswith("vision") for st in manifest.stages[1:] for f in st.files)
+    seams = [g.name for g in manifest.graphs if any(t.role == "vision_embeddings" for t in g.inputs)]
+    assert seams == ["stage0"]
+    staged = Engine.load(out)
+    for a, b in zip(single.prompt_logits(prompts, images=images), staged.prompt_logits(prompts, images=images)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    config = GenerationConfig(max_new_tokens=steps, do_sample=False, stop_token_ids=(), output_logits=True)
+    for a, b in zip(single.generate(prompts, config, images=images), staged.generate(prompts, config, images=images)):
+        assert b.token_ids == a.token_ids and len(b.token_ids) == steps
+        np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-5)
+    assert staged.pool.live == 0
+    return staged
+
+
 def traits(spec: Spec) -> set[str]:
     """Attention/model variants a spec really has, derived from its config (not from its labels)."""
     c = spec.config

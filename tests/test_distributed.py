@@ -223,3 +223,26 @@ def test_stage_directory_without_its_file_is_one_line(cluster, staged, tmp_path)
     with pytest.raises(GraphkilnError, match=rf"^stage 1 file {data} in .* is missing or fails its sha256 check") as info:
         Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=dirs))
     assert "\n" not in str(info.value)
+
+
+@needs_ray
+def test_ray_stages_encode_images_in_the_first_stage_actor(cluster, staged, tmp_path):
+    """A staged VLM: the driver preprocesses and caches, the first stage's actor (which alone holds
+    the vision graph's files) encodes; tokens and logits equal the in-process chain's."""
+    from graphkiln.runtime.distributed import RayOptions
+
+    case, art, manifest = staged("llava_clip", 2)
+    local = Engine.load(art)
+    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path)))
+    try:
+        t = manifest.vision.image_token_id
+        rng = np.random.default_rng(3)
+        text = [int(i) for i in rng.integers(3, t, 9)]
+        prompts, images = [text[:3] + [t] + text[3:], text[2:]], [[rng.integers(0, 256, (40, 52, 3), np.uint8)], None]
+        config = _greedy(16, output_logits=True)
+        for a, b in zip(local.generate(prompts, config, images=images), dist.generate(prompts, config, images=images)):
+            assert b.token_ids == a.token_ids and len(b.token_ids) == 16
+            np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-5)
+        assert [i["vision_runs"] for i in dist.decoder.pipeline.call("info")] == [1, 0]
+    finally:
+        dist.decoder.close()

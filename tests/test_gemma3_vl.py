@@ -342,3 +342,16 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifac
     assert TOKENS_PER_IMAGE > step_tokens
 
     assert tokens_through_scheduler(artifacts("onnxruntime"), prompts, images, greedy(), step_tokens) == alone
+
+
+def test_pipeline_stages_carry_the_image_lookahead(engine, checkpoint, tmp_path):
+    """export --stage-layers 0:1,1:4 (a sliding first stage, the rest after it): every stage takes
+    the lookahead; the staged artifact equals the single graph (logits within 1e-5, 32 identical
+    greedy tokens), images on the first stage."""
+    from conftest import staged_vlm_equals_single
+
+    prompts = [text(3, 51) + [BOI] + text(2, 52), text(5, 53)]
+    staged = staged_vlm_equals_single(engine, checkpoint, tmp_path / "staged", prompts, [[rgb(51, 60, 44)], None],
+                                      stages="0:1,1:4")
+    assert all(any(t.role == "lookahead" for t in g.inputs) for g in staged.manifest.graphs
+               if g.name.startswith("stage"))

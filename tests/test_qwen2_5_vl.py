@@ -362,3 +362,14 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(artifac
     assert min(engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
 
     assert tokens_through_scheduler(artifacts("onnxruntime"), prompts, images, greedy(), step_tokens) == alone
+
+
+def test_pipeline_stages_carry_the_mrope_positions(engine, checkpoint, tmp_path):
+    """export --stages 2: every stage takes rope_position_ids; the staged artifact equals the
+    single graph (logits within 1e-5, 32 identical greedy tokens), images on the first stage."""
+    from conftest import staged_vlm_equals_single
+
+    prompts = [text_ids(3, 41) + [TOKEN] + text_ids(4, 42), text_ids(6, 43)]
+    staged = staged_vlm_equals_single(engine, checkpoint, tmp_path / "staged", prompts, [[rgb(41, 56, 84)], None])
+    assert all(any(t.role == "rope_position_ids" for t in g.inputs) for g in staged.manifest.graphs
+               if g.name.startswith("stage"))

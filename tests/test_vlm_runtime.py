@@ -454,3 +454,15 @@ def test_images_through_the_scheduler_in_chunks_equal_each_request_alone(clip):
     assert min(alone_engine.vision.load(im).tokens for im in images[0] + images[2]) > step_tokens
 
     assert tokens_through_scheduler(clip.artifact, prompts, images, greedy(), step_tokens) == alone
+
+
+def test_pipeline_stages_take_images_through_the_first_stage(clip, tmp_path):
+    """export --stages 2 of a VLM: the vision graph and the seam belong to stage 0; the staged
+    artifact equals the single graph (logits within 1e-5, 32 identical greedy tokens) on a batch
+    where one prompt has two images and the other none."""
+    from conftest import staged_vlm_equals_single
+
+    t = token(clip)
+    prompts = [text_ids(clip, 3, 31) + [t] + text_ids(clip, 2, 32) + [t], text_ids(clip, 7, 33)]
+    staged_vlm_equals_single(clip.engine, clip.checkpoint, tmp_path / "staged", prompts,
+                             [[rgb(31, 40, 52), rgb(32, 30, 30)], None])

@@ -63,7 +63,14 @@ class BuildSizes:
 
 
 def tensorrt_graph(manifest: Manifest) -> GraphSpec:
-    """The tensorrt-target decoder graph, the only one TensorRT engines are built from."""
+    """The tensorrt-target decoder graph, the only one TensorRT engines are built from.
+
+    A pipeline-staged artifact is refused: no TensorRT runner chains stages (runtime.stages runs
+    them on onnxruntime only), so engines of its stage graphs would be files nothing runs."""
+    if manifest.stages:
+        raise GraphkilnError(f"artifact is pipeline-staged ({len(manifest.stages)} stage graphs): graphkiln build makes "
+                             "TensorRT engines for single-graph artifacts only (no TensorRT runner chains stages yet): "
+                             "export it without --stages/--stage-layers to build an engine")
     for g in manifest.graphs:
         if g.name == "decoder" and g.target == "tensorrt":
             return g

@@ -350,7 +350,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
 
     from graphkiln.export.stages import check_stage_request
 
-    stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets, vcfg is not None)
+    stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src,)) as tmp:
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
@@ -389,6 +389,10 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         vision = None
         if vcfg is not None:
             graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)
+            if staged is not None:  # the vision graph belongs to the first stage, which takes the seam
+                vision_file = graphs[-1].file
+                staged = staged.with_first_stage_files(tuple(p.name for p in tmp.iterdir() if p.name == vision_file
+                                                             or p.name.startswith(vision_file + ".")))
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
         tokenizer_files = copy_tokenizer(src, tmp)

@@ -36,7 +36,9 @@ from graphkiln.manifest import GraphSpec, StageSpec, StateSpec, TensorSpec
 
 HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_OUT = "hidden_states_out"  # the output's name (role hidden_states)
-STAGE_TARGETS = ("onnxruntime", "portable")  # one per staged artifact, for now
+# every target's lowering runs per stage graph as on the single graph; a target added to
+# manifest.TARGETS without that is refused until it is listed here
+STAGE_TARGETS = ("onnxruntime", "portable", "tensorrt")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def parse_stage_layers(text: str, num_layers: int) -> tuple[tuple[int, int], ...
 
 
 def check_stage_request(stages: int | None, stage_layers: str | None, num_layers: int,
-                        targets: tuple[str, ...] = ("onnxruntime",), vision: bool = False) -> tuple | None:
+                        targets: tuple[str, ...] = ("onnxruntime",)) -> tuple | None:
     """Refuse a stage request the model cannot take (before anything is written); returns the
     explicit ranges of ``--stage-layers``, () for ``--stages N`` (planned once weights are
     known), or None for an unstaged export."""
@@ -96,11 +98,9 @@ def check_stage_request(stages: int | None, stage_layers: str | None, num_layers
     flag = "--stages" if stages is not None else "--stage-layers"
     if stages is not None and stage_layers is not None:
         raise GraphkilnError("--stages and --stage-layers both given: use one of them")
-    if len(targets) != 1 or targets[0] not in STAGE_TARGETS:
+    if any(t not in STAGE_TARGETS for t in targets):
         raise GraphkilnError(f"{flag} with --target {','.join(targets)} is not supported yet: use --target "
                              f"{' or --target '.join(STAGE_TARGETS)}")
-    if vision:
-        raise GraphkilnError(f"{flag} is not supported for vision-language models yet: export it without stages")
     if stage_layers is not None:
         return parse_stage_layers(stage_layers, num_layers)
     if stages is None:
@@ -359,6 +359,14 @@ class ExportedStages:
     custom_ops: list
     plan: StagePlan
 
+    def with_first_stage_files(self, files: tuple[str, ...]) -> "ExportedStages":
+        """These stages with ``files`` (a VLM's vision graph and data) also owned by stage 0: the
+        process running the first stage, which takes the vision seam, runs the vision graph too."""
+        import dataclasses
+
+        name, layers, own, tied = self.stages[0]
+        return dataclasses.replace(self, stages=((name, layers, tuple(sorted({*own, *files})), tied), *self.stages[1:]))
+
     def stage_specs(self, states: tuple[StateSpec, ...]) -> tuple[StageSpec, ...]:
         """The manifest's stage records, each owning the model's states restricted to its layers."""
         return tuple(StageSpec(name, layers, files, stage_states(states, *layers), tied_head=tied)
@@ -381,13 +389,23 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
                   say=lambda msg: None) -> ExportedStages:
     """Trace, save and lower one graph per stage (``stage{k}.onnx`` + ``stage{k}.onnx.data``).
 
-    Only the onnxruntime and portable targets, one target per artifact, for now: the lowering
-    passes are the single-graph export's, run on each stage's file."""
+    Each stage graph is lowered for every target exactly as ``pipeline.export_graphs`` lowers the
+    single graph (same passes, opset and IR version): with several targets the other targets'
+    graphs are copies of the stage's traced proto (``stage{k}.<target>.onnx``) reading its data
+    file, lowered before the primary one is lowered in place (a MoE stage's onnxruntime graph
+    adds ``stage{k}.onnx.onnxruntime.data``). A stage record names one graph, ``stage{k}``, of
+    which the manifest holds one per target; its files are every target's."""
+    import dataclasses
+    import shutil
+
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
-    from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE
+    from graphkiln.export.lowering.trt_target import lower_for_tensorrt
+    from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE, add_next_token
+    from graphkiln.export.pipeline import (NEXT_TOKEN_TARGETS, PRIMARY_ORDER, lower_for_onnxruntime,
+                                           release_exporter_references)
 
-    if len(targets) != 1 or targets[0] not in STAGE_TARGETS:
+    if any(t not in STAGE_TARGETS for t in targets):
         raise GraphkilnError(f"--target {','.join(targets)} is not supported with pipeline stages yet: use "
                              f"--target {' or --target '.join(STAGE_TARGETS)}")
     plan = make_plan(decoder, stages, ranges)
@@ -411,24 +429,28 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
         file = f"{name}.onnx"
         save_model(program.model, out_dir / file)
         del program, module
-        graph = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
-        if targets[0] == "onnxruntime":
-            from graphkiln.export.pipeline import lower_for_onnxruntime, release_exporter_references
-
-            release_exporter_references()
-            graph, used = lower_for_onnxruntime(out_dir, graph, used, opts.quant, opts.quant_block_size,
-                                                opts.quant_symmetric)
-        from graphkiln.export import pipeline
-
-        if last and targets[0] in getattr(pipeline, "NEXT_TOKEN_TARGETS", ()) and not any(
-                t.role == "next_token" for t in graph.outputs):
-            from graphkiln.export.onnx_export import add_next_token  # the single-graph export's greedy tail
-
-            graph = add_next_token(out_dir, graph)
-        files = tuple(sorted(p.name for p in out_dir.iterdir() if p.name == file or p.name.startswith(file + ".")))
-        graphs.append(graph)
+        traced = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
+        primary = next(t for t in PRIMARY_ORDER if t in targets)
+        lowered = []
+        for target in [t for t in PRIMARY_ORDER if t in targets and t != primary] + [primary]:
+            graph, graph_ops = traced, used
+            if target != primary:  # before the primary's in-place lowering changes the traced file
+                graph = dataclasses.replace(traced, file=f"{name}.{target}.onnx")
+                shutil.copyfile(out_dir / file, out_dir / graph.file)
+            if target == "onnxruntime":
+                release_exporter_references()
+                graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used, opts.quant, opts.quant_block_size,
+                                                         opts.quant_symmetric, shared_data=len(targets) > 1)
+            elif target == "tensorrt":
+                graph, _ = lower_for_tensorrt(out_dir, graph)
+            if last and target in NEXT_TOKEN_TARGETS:  # the single-graph export's greedy tail
+                graph = add_next_token(out_dir, graph)
+            lowered.append(graph)
+            ops.update({(o.domain, o.name, o.version): o for o in graph_ops})
+        graphs += [lowered[-1], *lowered[:-1]]  # the primary first, as export_graphs
+        # "stage1." is no prefix of stage10's files: every target's graph and data files, no other stage's
+        files = tuple(sorted(p.name for p in out_dir.iterdir() if p.name.startswith(name + ".")))
         specs.append((name, (start, end), files, last and tied))
-        ops.update({(o.domain, o.name, o.version): o for o in used})
         say(f"      stage {k}: layers {start}:{end}, {sum((out_dir / f).stat().st_size for f in files) / 2**20:.2f} MiB "
             f"(planned weights {plan.planned_bytes[k] / 2**20:.2f} MiB) in {time.perf_counter() - t0:.1f}s")
     return ExportedStages(tuple(graphs), tuple(specs), list(ops.values()), plan)

@@ -1,6 +1,6 @@
 """A pipeline-staged artifact run with each stage in its own Ray actor (``distributed="ray"``).
 
-The unit is the in-process one (``runtime.stages``): a stage is a ``StageRunner`` plus a
+The unit is the in-process one (``runtime.stages``): a stage is a ``DecoderGraph`` plus a
 ``StatePool`` over only its own states, addressed by slot. Here each stage lives in a Ray actor
 (``StageWorker``) that opens only the manifest and its stage's files (``StageSpec.files``,
 checked against their sha256) and allocates only its own pools; the driver in the Engine's
@@ -119,7 +119,7 @@ class StageWorker:
         from graphkiln.artifact import graph_external_data, sha256_file
         from graphkiln.manifest import artifact_file
         from graphkiln.runtime.decoder import numpy_dtype
-        from graphkiln.runtime.stages import StageRunner
+        from graphkiln.runtime.stages import open_stage_graph
         from graphkiln.runtime.state import StatePool
 
         root = Path(artifact_dir)
@@ -141,7 +141,18 @@ class StageWorker:
             if rel not in own:  # the stage reads nothing it was not given
                 raise GraphkilnError(f"stage {index}'s graph reads {rel}, which is not one of its files: re-export")
         self.index, self.layers = index, stage.layers
-        self.runner = StageRunner(root, spec, stage, threads)
+        self.runner = open_stage_graph(root, spec, threads)
+        self.vision_session = self.vision_output = None
+        self.vision_runs = 0
+        if index == 0 and manifest.vision is not None:  # the vision graph belongs to the first stage
+            from graphkiln.runtime.decoder import cpu_session
+
+            vision = manifest.graph_for("vision", "onnxruntime")
+            for rel in graph_external_data(root, vision.file):
+                if rel not in own:
+                    raise GraphkilnError(f"stage 0's vision graph reads {rel}, which is not one of its files: re-export")
+            self.vision_session = cpu_session(root, vision, threads)
+            self.vision_output = next(t.name for t in vision.outputs if t.role == "image_embeddings")
         self.pool = StatePool(stage.states, numpy_dtype(manifest.states[0].dtype))
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new process with a new id
 
@@ -150,9 +161,9 @@ class StageWorker:
         incarnation may ask (``expect`` is not checked: this is how a restart is found out)."""
         return {"incarnation": self.incarnation, "pid": os.getpid(), "spec": self.runner.spec,
                 "has_next_token": self.runner.has_next_token,
-                "has_hidden_states": getattr(self.runner, "has_hidden_states", False), "slots": self.pool.slots, "live": self.pool.live,
+                "has_hidden_states": self.runner.has_hidden_states, "slots": self.pool.slots, "live": self.pool.live,
                 "nbytes": self.pool.nbytes, "layers": sorted(set(self.pool.keys) | set(self.pool.conv)),
-                "peak_rss": _peak_rss()}
+                "peak_rss": _peak_rss(), "vision_runs": self.vision_runs}
 
     # Every call below names the incarnation the driver believes it talks to: a call meant for
     # the process before a restart must not run on the new one's empty pools.
@@ -176,6 +187,14 @@ class StageWorker:
     def scrub(self, expect: str, slot: int) -> None:
         self._check(expect)
         self.pool.scrub(slot)
+
+    def run_vision(self, expect: str, feeds: dict) -> np.ndarray:
+        """The vision graph over preprocessed ``feeds`` (the first stage's, ``runtime.vision``)."""
+        self._check(expect)
+        if self.vision_session is None:
+            raise RuntimeError(f"stage {self.index} has no vision graph")
+        self.vision_runs += 1
+        return self.vision_session.run([self.vision_output], feeds)[0]
 
     def run(self, expect: str, first_input, position_ids, logits_index, lengths, vision, extra, first_slot: int,
             tokens_only: bool, with_hidden: bool = False):
@@ -468,6 +487,13 @@ class RayStagedDecoder:
         """``submit(...).result()``: what the Engine and the scheduler call."""
         return self.submit(pool, input_ids, position_ids, logits_index, lengths, vision, extra, first_slot,
                            tokens_only, with_hidden).result()
+
+    def run_vision(self, feeds: dict) -> np.ndarray:
+        """The vision graph, run by the first stage's actor (which owns its files); ``VisionEncoder``
+        preprocesses and caches in the driver."""
+        p = self.pipeline
+        p.check_usable()
+        return p.get(p.actors[0].run_vision.remote(p.expect(0), feeds))
 
     def close(self) -> None:
         """End the stage actors (and a local cluster this driver started)."""

@@ -88,8 +88,9 @@ class Engine:
         self.tokenizer = Tokenizer(tok) if "tokenizer.json" in manifest.tokenizer_files and tok.is_file() else None
         self.vision: VisionEncoder | None = None  # the vision graph and its embedding cache (VLM artifacts)
         if manifest.vision is not None:
+            # a runner whose first stage runs elsewhere (Ray) runs the vision graph there too
             self.vision = VisionEncoder(artifact_dir, manifest.vision, manifest.graph_for("vision", "onnxruntime"),
-                                        threads, vision_cache_bytes)
+                                        threads, vision_cache_bytes, getattr(self.decoder, "run_vision", None))
             seam = next((t for t in self.decoder.spec.inputs if t.role == "vision_embeddings"), None)
             self._seam_dtype = numpy_dtype(seam.dtype) if seam is not None else self.state_dtype
         self._layout_roles = needed_roles({t.role for t in self.decoder.spec.inputs})

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -95,7 +95,10 @@ class VisionEncoder:
     whose images are all cached leaves both unchanged."""
 
     def __init__(self, artifact_dir: Path, spec: VisionSpec, graph: GraphSpec, threads: int | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, run_graph: Callable[[dict], np.ndarray] | None = None) -> None:
+        """``run_graph``: feeds -> the graph's image_embeddings, when the vision graph runs
+        elsewhere (a staged artifact's first-stage Ray actor, ``runtime.distributed``); None opens
+        the graph here. Preprocessing and the cache stay in this process either way."""
         from graphkiln.runtime.decoder import cpu_session, numpy_dtype
 
         self.spec, self.graph = spec, graph
@@ -106,7 +109,10 @@ class VisionEncoder:
         self._pixel_values, self._grid, self._output = names["pixel_values"], names.get("image_grid_thw"), out.name
         self.hidden = out.shape[-1] if isinstance(out.shape[-1], int) else None
         self.dtype = numpy_dtype(out.dtype)
-        self.session = cpu_session(artifact_dir, graph, threads)
+        if run_graph is None:
+            session = cpu_session(artifact_dir, graph, threads)
+            run_graph = lambda feeds: session.run([self._output], feeds)[0]  # noqa: E731
+        self._run_graph = run_graph
         self._groups, self._window = _group_inputs(graph, spec)
 
     # -- one request image ---------------------------------------------------------------
@@ -167,7 +173,9 @@ class VisionEncoder:
             feeds.update({name: groups[role] for role, name in self._groups.items()})
         counts = [item.tokens for item in items]
         try:
-            (rows,) = self.session.run([self._output], feeds)
+            rows = self._run_graph(feeds)
+        except GraphkilnError:
+            raise
         except Exception as exc:
             raise GraphkilnError(f"the vision graph failed on {len(items)} image(s) "
                                  f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): re-export the "
