@@ -85,6 +85,32 @@ def _sha256_hex(text: str) -> str:
     return text.lower()
 
 
+def _distributed(args):
+    """--distributed and the Ray placement flags as ``Engine.load``'s ``distributed``."""
+    given = {flag: value for flag, value in (("--ray-address", args.ray_address), ("--stage-dirs", args.stage_dirs),
+                                              ("--stage-nodes", args.stage_nodes)) if value is not None}
+    if args.distributed is None:
+        if given:
+            raise GraphkilnError(f"{next(iter(given))} places Ray stage actors: add --distributed ray, or drop it")
+        return None
+    if not given:
+        return args.distributed
+    from graphkiln.runtime.distributed import RayOptions
+
+    split = lambda text: tuple(p.strip() for p in text.split(","))  # noqa: E731
+    return RayOptions(address=args.ray_address, stage_dirs=split(args.stage_dirs) if args.stage_dirs else None,
+                      stage_nodes=split(args.stage_nodes) if args.stage_nodes else None)
+
+
+def _add_ray_flags(p) -> None:
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --distributed ray: join this Ray cluster (e.g. auto) instead of starting a local one")
+    p.add_argument("--stage-dirs", default=None, metavar="D0,D1,...",
+                   help="with --distributed ray: per stage, the artifact directory as that stage's node sees it")
+    p.add_argument("--stage-nodes", default=None, metavar="N0,N1,...",
+                   help="with --distributed ray: per stage, the Ray node (id or IP address) that must run it")
+
+
 def _run(args) -> int:
     from graphkiln.runtime import Engine, GenerationConfig
 
@@ -96,7 +122,7 @@ def _run(args) -> int:
                              "were given: run each prompt with its images separately")
     images = [list(args.image)] if args.image else None
     engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
-                         backend=args.backend, device=args.device, distributed=args.distributed)
+                         backend=args.backend, device=args.device, distributed=_distributed(args))
     # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
     sampling = (args.temperature is not None and args.temperature > 0) or (
         args.temperature is None and (args.top_k is not None or args.top_p is not None))
@@ -188,7 +214,7 @@ def _serve(args) -> int:
         artifact=args.artifact, host=args.host, port=args.port, api_key=key, model_name=args.model_name,
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
-        distributed=args.distributed, log_level=args.log_level))
+        distributed=_distributed(args), log_level=args.log_level))
 
 
 def _demo(args) -> int:
@@ -279,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--distributed", default=None, choices=["ray"],
                    help="run a pipeline-staged artifact (export --stages) with each stage in its own Ray actor "
                         "(pip install 'graphkiln[distributed]'; a local Ray cluster unless this process joins one)")
+    _add_ray_flags(r)
     r.set_defaults(fn=_run)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
@@ -335,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the graph exported for this target (default: the best one for onnxruntime)")
     s.add_argument("--distributed", default=None, choices=["ray"],
                    help="run a staged artifact's stages as Ray actors (pip install 'graphkiln[distributed]')")
+    _add_ray_flags(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_serve)
 

@@ -233,8 +233,11 @@ def test_ray_stages_encode_images_in_the_first_stage_actor(cluster, staged, tmp_
 
     case, art, manifest = staged("llava_clip", 2)
     local = Engine.load(art)
-    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path)))
+    node = next(n for n in cluster.nodes() if n["Alive"])  # pinned: stage 0 by address, stage 1 by id
+    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path),
+                                                              stage_nodes=(node["NodeManagerAddress"], node["NodeID"])))
     try:
+        assert [i["node_id"] for i in dist.decoder.pipeline.call("info")] == [node["NodeID"]] * 2
         t = manifest.vision.image_token_id
         rng = np.random.default_rng(3)
         text = [int(i) for i in rng.integers(3, t, 9)]
@@ -246,3 +249,18 @@ def test_ray_stages_encode_images_in_the_first_stage_actor(cluster, staged, tmp_
         assert [i["vision_runs"] for i in dist.decoder.pipeline.call("info")] == [1, 0]
     finally:
         dist.decoder.close()
+
+
+@needs_ray
+def test_stage_placement_refusals_are_one_line(cluster, staged, capsys):
+    from cli_contract import assert_one_error, run_cli
+    from graphkiln.runtime.distributed import RayOptions
+
+    case, art, manifest = staged("llava_clip", 2)
+    node = next(n for n in cluster.nodes() if n["Alive"])["NodeID"]
+    for nodes, needle in [(("10.255.0.9", node), "not an alive node"), ((node,), "one node per stage")]:
+        with pytest.raises(GraphkilnError, match=needle) as exc:
+            Engine.load(art, distributed=RayOptions(stage_nodes=nodes))
+        assert "\n" not in str(exc.value)
+    code, _, err = run_cli(capsys, "run", art, "--prompt-ids", "5,6", "--stage-nodes", f"{node},{node}")
+    assert_one_error(code, err, "--stage-nodes", "--distributed ray")

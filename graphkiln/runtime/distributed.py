@@ -75,6 +75,9 @@ class RayOptions:
     directory as the node running that stage sees it (default: the driver's directory, for
     every stage); each needs only ``manifest.json`` and that stage's files. ``max_restarts``:
     how often Ray restarts a dead stage actor (0: a dead stage ends the pipeline).
+    ``stage_nodes``: per stage, the Ray node that must run it (a node id, or a node's IP address
+    when one node has it), e.g. the host holding that stage's directory; default: wherever Ray
+    places it. A node that is not alive in the cluster is refused before any actor starts.
     ``cpus_per_stage``: the CPUs Ray reserves for each actor (placement only; its onnxruntime
     threads are the Engine's ``threads``)."""
 
@@ -83,6 +86,7 @@ class RayOptions:
     stage_dirs: tuple[str, ...] | None = None
     max_restarts: int = 1
     cpus_per_stage: float = 1.0
+    stage_nodes: tuple[str, ...] | None = None
 
 
 def import_ray():
@@ -159,7 +163,7 @@ class StageWorker:
     def info(self, expect: str | None = None) -> dict:
         """Who this is (``incarnation`` changes when Ray restarts the actor) and its pool; any
         incarnation may ask (``expect`` is not checked: this is how a restart is found out)."""
-        return {"incarnation": self.incarnation, "pid": os.getpid(), "spec": self.runner.spec,
+        return {"incarnation": self.incarnation, "pid": os.getpid(), "node_id": _node_id(), "spec": self.runner.spec,
                 "has_next_token": self.runner.has_next_token,
                 "has_hidden_states": self.runner.has_hidden_states, "slots": self.pool.slots, "live": self.pool.live,
                 "nbytes": self.pool.nbytes, "layers": sorted(set(self.pool.keys) | set(self.pool.conv)),
@@ -206,6 +210,16 @@ class StageWorker:
         if with_hidden:
             return tuple(np.array(a, copy=True) for a in out)
         return np.array(out, copy=True)
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside a Ray worker)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
 
 
 def _peak_rss() -> int | None:
@@ -500,6 +514,27 @@ class RayStagedDecoder:
         self.pipeline.close()
 
 
+def resolve_stage_nodes(ray, stage_nodes: tuple[str, ...] | None, n: int) -> list[str] | None:
+    """``RayOptions.stage_nodes`` as node ids of alive nodes (one per stage), or None; a name that
+    is no alive node, or an IP that several nodes share, is one GraphkilnError line."""
+    if stage_nodes is None:
+        return None
+    if len(stage_nodes) != n:
+        raise GraphkilnError(f"stage_nodes has {len(stage_nodes)} entries but the artifact has {n} stages: give one "
+                             "node per stage")
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    out = []
+    for k, name in enumerate(stage_nodes):
+        name = str(name).strip()
+        hits = [node["NodeID"] for node in alive if name in (node["NodeID"], node.get("NodeManagerAddress"))]
+        if len(hits) != 1:
+            known = ", ".join(f"{node.get('NodeManagerAddress')} ({node['NodeID'][:12]}...)" for node in alive)
+            why = "is not an alive node" if not hits else f"is the address of {len(hits)} nodes (give a node id)"
+            raise GraphkilnError(f"stage {k}'s node {name!r} {why} of the Ray cluster: use one of {known}")
+        out.append(hits[0])
+    return out
+
+
 def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None, threads: int | None,
              target: str | None = None, options: RayOptions | None = None) -> tuple[RayStagedDecoder, RayStagedPool]:
     """(runner, pool) for a staged artifact with one Ray actor per stage."""
@@ -538,9 +573,22 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
     owns_cluster = _local_cluster["started"]
     if owns_cluster:
         _local_cluster["drivers"] += 1
-    actor_class = ray.remote(StageWorker).options(num_cpus=options.cpus_per_stage, max_restarts=options.max_restarts,
-                                                  max_task_retries=0)
-    actors = [actor_class.remote(dirs[k], k, manifest_digest, threads, target) for k in range(n)]
+    actor_class = ray.remote(StageWorker)
+    placement = {"num_cpus": options.cpus_per_stage, "max_restarts": options.max_restarts, "max_task_retries": 0}
+    try:
+        nodes = resolve_stage_nodes(ray, options.stage_nodes, n)
+    except BaseException:
+        if owns_cluster:
+            _end(ray, [], owns_cluster)
+        raise
+    actors = []
+    for k in range(n):
+        where = {}
+        if nodes is not None:  # hard affinity: a stage never runs where its files are not
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[k], soft=False)
+        actors.append(actor_class.options(**placement, **where).remote(dirs[k], k, manifest_digest, threads, target))
     try:
         pipeline = _Pipeline(ray, actors, [st.layers for st in manifest.stages], owns_cluster)
     except ray.exceptions.RayActorError as exc:

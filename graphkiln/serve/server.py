@@ -40,7 +40,7 @@ class ServeConfig:
     drain_s: float = 30.0
     expect_digest: str | None = None
     target: str | None = None
-    distributed: str | None = None  # "ray": a staged artifact's stages as Ray actors
+    distributed: object = None  # "ray" or a runtime.distributed.RayOptions: a staged artifact's stages as Ray actors
     log_level: str = "info"
 
 
