@@ -1,10 +1,12 @@
 """Pipeline stages (issue 15): export one graph per slice of layers, run them chained.
 
-The reference is the single-graph artifact of the same checkpoint (``tiny(name, "onnxruntime")``,
-itself at parity with transformers in test_parity): staged logits must equal its logits within
-1e-5 and greedy tokens must be identical over 32 steps, on a ragged batch. Each stage's data file
-must hold its planned share of the weights (computed here from the torch model, independently of
-the export) within 10%, and no weight of another stage's layers.
+The reference is the single-graph artifact of the same checkpoint and export options
+(``tiny(name, target)``, itself at parity with transformers in test_parity; for a quantized
+case the single int4 artifact built here): staged logits must equal its logits within 1e-5 and
+greedy tokens must be identical over 32 steps, on a ragged batch. Each stage's data file must
+hold its planned share of the weights (computed here from the torch model, independently of
+the export) within 10% (unquantized cases: the plan counts float bytes), and no weight of
+another stage's layers.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import pytest
 from graphkiln.errors import GraphkilnError
 from graphkiln.export.stages import parse_stage_layers, plan_even
 
-# (checkpoint, how, target): dense with tied embeddings (N=2 planned; N=3 explicit, one layer
-# each, on the portable target: state returned as rows), MoE (N=2 planned), conv hybrid (N=3
-# explicit: a conv-only first stage, an attention-only middle one, a conv-only last one carrying
-# the tied head)
-STAGED = [("qwen3_mixed_sliding", 2, "onnxruntime"), ("qwen3_mixed_sliding", "0:1,1:2,2:3", "portable"),
-          ("qwen3_moe", 2, "onnxruntime"), ("lfm2", "0:1,1:2,2:4", "onnxruntime")]
+# (checkpoint, how, target, quant), each family at N=2 and N=3 in four exports: dense with tied
+# embeddings (N=2 planned and int4: the quantized case, whose last stage quantizes its own copy of
+# the head as the single graph quantizes the head it shares with the embedding; N=3 explicit, one
+# layer each, on the portable target: state returned as rows) and the conv hybrid with MoE layers,
+# tied (N=2 planned, com.microsoft.MoE; N=3 explicit on the portable target, graphkiln.MoE and
+# ShortConv: a conv-only first stage with the dense MLP, an attention-only middle one, and a last
+# one with conv and attention layers carrying the tied head)
+STAGED = [("qwen3_mixed_sliding", 2, "onnxruntime", "int4"), ("qwen3_mixed_sliding", "0:1,1:2,2:3", "portable", None),
+          ("lfm2_moe", 2, "onnxruntime", None), ("lfm2_moe", "0:1,1:2,2:4", "portable", None)]
 
 
 @pytest.fixture(scope="session")
@@ -32,15 +37,22 @@ def staged(tiny, tmp_path_factory):
 
     made = {}
 
-    def get(name: str, how, target: str = "onnxruntime"):
-        if (name, how, target) not in made:
+    def get(name: str, how, target: str = "onnxruntime", quant: str | None = None):
+        """(case, staged artifact, its manifest, the single-graph artifact it must equal)."""
+        key = (name, how, target, quant)
+        if key not in made:
             case = tiny(name, target)
-            out = tmp_path_factory.mktemp("staged") / f"{name}-{how}-{target}".replace(",", "_").replace(":", "-")
+            root = tmp_path_factory.mktemp("staged")
+            out = root / f"{name}-{how}-{target}".replace(",", "_").replace(":", "-")
             kw = {"stages": how} if isinstance(how, int) else {"stage_layers": how}
-            manifest = export_model(str(case.checkpoint), out, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN,
-                                                                             target=target, **kw))
-            made[name, how, target] = (case, out, manifest)
-        return made[name, how, target]
+            opts = dict(progress=False, max_seq_len=MAX_SEQ_LEN, target=target, quant=quant)
+            manifest = export_model(str(case.checkpoint), out, ExportOptions(**opts, **kw))
+            single = case.artifact
+            if quant:  # the tiny fixture exports float only
+                single = root / "single"
+                export_model(str(case.checkpoint), single, ExportOptions(**opts))
+            made[key] = (case, out, manifest, single)
+        return made[key]
 
     return get
 
@@ -65,12 +77,13 @@ def _torch_decoder(checkpoint):
     return decoder
 
 
-@pytest.mark.parametrize("name,how,target", STAGED, ids=[f"{n}-{h}-{t}" for n, h, t in STAGED])
-def test_staged_export_and_chained_run(staged, name, how, target):
+@pytest.mark.parametrize("name,how,target,quant", STAGED,
+                         ids=[f"{n}-{h}-{t}" + (f"-{q}" if q else "") for n, h, t, q in STAGED])
+def test_staged_export_and_chained_run(staged, name, how, target, quant):
     from graphkiln.export.stages import planned_bytes, stage_costs
     from graphkiln.runtime import Engine, GenerationConfig
 
-    case, art, manifest = staged(name, how, target)
+    case, art, manifest, single_art = staged(name, how, target, quant)
     assert {g.target for g in manifest.graphs} == {target}
     ranges = [st.layers for st in manifest.stages]
     n = len(ranges)
@@ -90,24 +103,37 @@ def test_staged_export_and_chained_run(staged, name, how, target):
     for k, st in enumerate(manifest.stages):
         files = [f for f in st.files if f.endswith(".data")]
         assert len(files) == 1, st.files
-        data = (art / files[0]).read_bytes()
-        assert abs(len(data) - planned[k]) <= 0.1 * planned[k], (k, len(data), planned[k])
+        size = (art / files[0]).stat().st_size
+        if not quant:
+            assert abs(size - planned[k]) <= 0.1 * planned[k], (k, size, planned[k])
         # by content (the exporter names folded weights val_N): another stage's layer weight is
-        # nowhere in this file, in either orientation; each own layer has weights stored as they are
+        # nowhere in the stage's files, in either orientation; each own layer has weights stored as
+        # they are (quantized: its norms, conv kernels and biases, which stay float, and the
+        # smallest of them inside the graph file rather than the data file)
+        data = b"".join((art / f).read_bytes() for f in st.files)
         for i, forms in enumerate(layer_weights):
             found = [any(f in data for f in pair) for pair in forms]
             if st.layers[0] <= i < st.layers[1]:
                 assert any(found), (k, i)
             else:
                 assert not any(found), (k, i)
-        assert any(f in data for f in embed) == (k == 0 or (tied and k == n - 1)), k
-        assert any(f in data for f in head) == (k == n - 1 or (tied and k == 0)), k  # tied: one tensor
+        # quantized, the last stage holds the head only as MatMulNBits blocks; tied: one tensor
+        assert any(f in data for f in embed) == (k == 0 or (tied and not quant and k == n - 1)), k
+        assert any(f in data for f in head) == ((k == n - 1 and not quant) or (tied and k == 0)), k
         assert st.tied_head == (tied and k == n - 1)
         owned = {layer for s in st.states for layer in s.layers}
         assert owned and owned <= set(range(*st.layers))
+    if quant:  # the head is quantized in both graphs (tied, the single graph's is the embedding table)
+        import onnx
+
+        last = next(g.file for g in manifest.graphs if g.name == manifest.stages[-1].graph)
+        for path in (single_art / "decoder.onnx", art / last):
+            graph = onnx.load(str(path), load_external_data=False).graph
+            producer = {o: node for node in graph.node for o in node.output}
+            assert producer[graph.output[0].name].op_type == "MatMulNBits", path.name
 
     # -- chained run == the single-graph artifact ------------------------------------------
-    single, chained = Engine.load(case.artifact), Engine.load(art)
+    single, chained = Engine.load(single_art), Engine.load(art)
     prompts = case.prompts([7, 3, 12], salt=5)
     for a, b in zip(single.prompt_logits(prompts), chained.prompt_logits(prompts)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
@@ -121,6 +147,48 @@ def test_staged_export_and_chained_run(staged, name, how, target):
     for st, pool in zip(manifest.stages, chained.pool.pools):
         held = set(pool.keys) | set(pool.conv)
         assert held == {layer for s in st.states for layer in s.layers}
+
+
+@pytest.mark.parametrize("other_reader", [False, True])
+def test_tied_head_is_quantized_from_the_shared_table(other_reader):
+    """MatMul(A, Transpose(W)) with the embedding Gather also reading W (what the exporter emits for
+    a tied head in the single graph): MatMulNBits from W, W kept float for the Gather, the
+    Transpose dropped unless something else reads it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from graphkiln.export.lowering.quantize import dequantize_reference, quantize_linear_weights
+
+    rng = np.random.default_rng(0)
+    vocab, hidden = 40, 64
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["W", "ids"], ["emb"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["A", "Wt"], ["logits"])]
+    outputs = [helper.make_tensor_value_info("emb", TensorProto.FLOAT, None),
+               helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)]
+    if other_reader:
+        nodes.append(helper.make_node("Identity", ["Wt"], ["Wt_copy"]))
+        outputs.append(helper.make_tensor_value_info("Wt_copy", TensorProto.FLOAT, None))
+    model = helper.make_model(helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+                        helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3, hidden])],
+        outputs, [numpy_helper.from_array(table, "W")]), opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    stats = quantize_linear_weights(model, 4, 32)
+    assert stats.nodes == stats.weights == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "MatMulNBits" in ops and "MatMul" not in ops and ("Transpose" in ops) == other_reader
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(inits["W"], table)
+    nbits = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    dequant = dequantize_reference(inits[nbits.input[1]], inits[nbits.input[2]], None, hidden, 4)
+    ids, a = rng.integers(0, vocab, (2, 3)), rng.standard_normal((2, 3, hidden)).astype(np.float32)
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": ids, "A": a})
+    np.testing.assert_array_equal(out[0], table[ids])
+    # the kernel quantizes activations to int8 (accuracy_level 4): close to, not exactly, A @ dequant
+    np.testing.assert_allclose(out[1], a @ dequant, rtol=0, atol=0.05 * np.abs(a @ dequant).max())
 
 
 def test_plan_even_minimises_the_largest_stage():
@@ -141,7 +209,6 @@ def test_plan_even_minimises_the_largest_stage():
     ({"stage_layers": "0:1,1:x"}, "not a START:END"),
     ({"stage_layers": "0:1,1:4"}, "outside the model's 3 layers"),
     ({"stages": 2, "stage_layers": "0:1,1:3"}, "both given"),
-    ({"stages": 2, "target": "tensorrt"}, "not supported yet"),
 ])
 def test_bad_stage_requests_are_one_line_and_write_nothing(tiny, tmp_path, kw, match):
     from graphkiln.export.pipeline import ExportOptions, export_model
@@ -170,7 +237,7 @@ def test_manifest_refuses_inconsistent_stages(staged):
 
     from graphkiln.manifest import Manifest
 
-    _, _, manifest = staged("qwen3_mixed_sliding", 2)
+    _, _, manifest, _ = staged(*STAGED[0][:2], quant=STAGED[0][3])
     d = json.loads(manifest.to_json())
     Manifest.from_json(json.dumps(d))  # the original is accepted
     bad = json.loads(manifest.to_json())
@@ -195,7 +262,7 @@ def test_manifest_refuses_inconsistent_stages(staged):
 def test_inspect_shows_each_stage_and_its_own_layers(staged, capsys):
     from graphkiln.cli import main
 
-    _, out, manifest = staged("lfm2", "0:1,1:2,2:4")
+    _, out, manifest, _ = staged(*STAGED[3][:3])
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     lines = [l for l in text.splitlines() if l.startswith("stage ")]

@@ -2,7 +2,7 @@
 
 On CPU, decoding one token reads every weight once, so decode speed is bound by memory
 bandwidth and by the bytes of weights per token. This pass stores the Linear weights
-(q/k/v/o, MLP, lm_head) as 4- or 8-bit integers, block-wise along K (the input features),
+(q/k/v/o, MLP, lm_head, tied or not) as 4- or 8-bit integers, block-wise along K (the input features),
 and runs them with onnxruntime's ``MatMulNBits`` contrib op, which dequantizes on the fly.
 
 What the exporter emits, and what is rewritten:
@@ -11,6 +11,13 @@ What the exporter emits, and what is rewritten:
   weights pre-transposed; ``A`` is ``[batch, seq, K]``) -> ``MatMulNBits(A, Bq, scales, zp)``.
   An ``Add`` of a 1-D ``[N]`` initializer right after it (attention/MLP bias), when it is the
   MatMul's only reader, is folded into MatMulNBits' ``bias`` input.
+* ``MatMul(A, Transpose(W))`` with ``W`` a 2-D float initializer ``[N, K]`` and the Transpose a
+  plain 2-D one: a tied head. The exporter cannot fold that Transpose into a ``[K, N]`` copy
+  because the embedding ``Gather`` reads the same initializer, so the head is quantized from
+  ``W`` itself; the float ``W`` stays for the Gather (of which decoding reads one row per
+  token), and the Transpose goes when nothing else reads it. As onnxruntime-genai's builder
+  does for tied models; and it is what a pipeline stage does, whose own copy of the head is a
+  plain ``[K, N]`` initializer, so staged and single-graph int4 artifacts compute the same.
 * ``Gemm(A, B[, C])`` (what the exporter emits for a 2-D ``A``) with ``transA=0``, ``alpha=1``,
   ``beta=1``, ``B`` a 2-D initializer and ``C`` absent or a 1-D ``[N]`` initializer -> the same.
 * Not rewritten: the embedding ``Gather``; MoE expert weights (inputs of ``graphkiln.MoE`` /
@@ -104,6 +111,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
             consumers.setdefault(i, []).append(idx)
     graph_outputs = {o.name for o in graph.output}
     routers = _router_outputs(graph)
+    transposed_weights = _transposed_weights(nodes, inits)
     names = _NameScope(graph)
 
     quantized: dict[tuple[str, bool], tuple[str, str, str, int, int]] = {}  # (weight, [N, K]?) -> (q, scales, zp, K, N)
@@ -113,7 +121,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     candidates: set[str] = set()
 
     for idx, node in enumerate(nodes):
-        plan = _plan(node, inits)
+        plan = _plan(node, inits, transposed_weights)
         if plan is None or node.output[0] in routers:
             continue
         weight, transposed, bias = plan
@@ -152,6 +160,9 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     if not replace:
         return QuantStats(0, 0, 0, 0)
     new_nodes = [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop_nodes]
+    # a tied head's Transpose that only the quantized MatMul read is dead now
+    read = {o.name for o in graph.output} | {i for n in new_nodes for i in n.input}
+    new_nodes = [n for n in new_nodes if n.output[0] not in transposed_weights or n.output[0] in read]
     del graph.node[:]
     graph.node.extend(new_nodes)
     _drop_unused_initializers(graph, candidates)
@@ -168,12 +179,27 @@ def _float_2d(name: str, inits) -> bool:
     return t is not None and len(t.dims) == 2 and t.data_type in _FLOAT_TYPES and min(t.dims) > 0
 
 
-def _plan(node: onnx.NodeProto, inits) -> tuple[str, bool, str | None] | None:
+def _transposed_weights(nodes, inits) -> dict[str, str]:
+    """Outputs of plain 2-D Transposes of float weight initializers -> the initializer (a tied
+    head's ``[N, K]`` weight, which the embedding Gather also reads)."""
+    out = {}
+    for node in nodes:
+        if (node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and len(node.input) == 1
+                and len(node.output) == 1 and _float_2d(node.input[0], inits)):
+            perm = [list(helper.get_attribute_value(a)) for a in node.attribute if a.name == "perm"]
+            if not perm or perm[0] == [1, 0]:  # no perm: reversed axes, the same for 2-D
+                out[node.output[0]] = node.input[0]
+    return out
+
+
+def _plan(node: onnx.NodeProto, inits, transposed_weights: dict[str, str]) -> tuple[str, bool, str | None] | None:
     """(weight initializer, stored as [N, K]?, bias initializer or None), or None to leave the node."""
     if node.domain not in ("", "ai.onnx") or len(node.output) != 1:
         return None
     if node.op_type == "MatMul" and len(node.input) == 2 and _float_2d(node.input[1], inits):
         return node.input[1], False, None
+    if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in transposed_weights:
+        return transposed_weights[node.input[1]], True, None
     if node.op_type == "Gemm" and len(node.input) >= 2 and _float_2d(node.input[1], inits):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
