@@ -364,7 +364,12 @@ def test_an_interrupt_swallowed_by_native_code_is_still_an_interrupt(monkeypatch
         raise GraphkilnError("model.safetensors is truncated or corrupt reading 'w'")
 
     monkeypatch.setattr(cli, "_inspect", swallowing)
-    assert cli.main(["inspect", "anything"]) == status
+    # Python's own Ctrl-C handler, which a runner started in the background (SIGINT ignored) lacks
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert cli.main(["inspect", "anything"]) == status
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert err.startswith("error: interrupted") and "truncated" not in err
     with termination_signals_interrupt():
