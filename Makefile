@@ -21,8 +21,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/graphkiln demo
 
+# Two pytest workers, each taking whole test files (its session and module fixtures stay its own):
+# most test time is single-threaded tracing, so the two cores of the build machines both work.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/python scripts/bench_decode.py

@@ -401,6 +401,17 @@ class Case:
 
 
 @pytest.hookimpl(hookwrapper=True)
+# The longest test files (exports in module fixtures), run first: `make test` hands whole files
+# to two workers in collection order, and a long file collected last would run alone at the end.
+LONG_FILES_FIRST = ("test_vlm_runtime.py", "test_layer_stamping.py", "test_stages.py", "test_qwen2_5_vl.py",
+                    "test_gemma3_vl.py", "test_distributed.py", "test_hidden_states.py", "test_serve.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+
+
 def pytest_runtest_makereport(item, call):
     """Drop torch.export's trace logging (thousands of DEBUG lines per export) from failure reports."""
     outcome = yield
