@@ -400,7 +400,6 @@ class Case:
         return [rng.integers(low, self.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.hookimpl(hookwrapper=True)
 # The longest test files (exports in module fixtures), run first: `make test` hands whole files
 # to two workers in collection order, and a long file collected last would run alone at the end.
 LONG_FILES_FIRST = ("test_vlm_runtime.py", "test_layer_stamping.py", "test_stages.py", "test_qwen2_5_vl.py",
@@ -412,6 +411,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Drop torch.export's trace logging (thousands of DEBUG lines per export) from failure reports."""
     outcome = yield
