@@ -30,7 +30,6 @@ from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.state import StatePool
 
 
-
 def numpy_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         import ml_dtypes  # numpy has no bfloat16; onnxruntime ships ml_dtypes-compatible buffers
@@ -164,8 +163,8 @@ class DecoderGraph:
             tokens_only: bool = False, with_hidden: bool = False):
         """One forward over the live slots first_slot..first_slot+n-1 (n = len(first_input):
         input_ids [n, seq], or a later stage's hidden_states [n, seq, hidden]); returns logits
-        [n, n_logits, vocab] (a stage before the last: its hidden_states [n, seq, hidden]), or with ``tokens_only`` (graphs with a ``next_token`` output,
-        ``has_next_token``) the argmax token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no
+        [n, n_logits, vocab] (a stage before the last: its hidden_states [n, seq, hidden]), or
+        with ``tokens_only`` (graphs with a ``next_token`` output, ``has_next_token``) the argmax token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no
         finite logit) and no logits are copied out of the graph. ``with_hidden`` (graphs with a
         ``last_hidden_state`` output, ``has_hidden_states``): returns (that, hidden states
         [n, n_logits, hidden]) instead; without it a graph's hidden states are not fetched.
