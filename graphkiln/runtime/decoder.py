@@ -164,8 +164,9 @@ class DecoderGraph:
         """One forward over the live slots first_slot..first_slot+n-1 (n = len(first_input):
         input_ids [n, seq], or a later stage's hidden_states [n, seq, hidden]); returns logits
         [n, n_logits, vocab] (a stage before the last: its hidden_states [n, seq, hidden]), or
-        with ``tokens_only`` (graphs with a ``next_token`` output, ``has_next_token``) the argmax token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no
-        finite logit) and no logits are copied out of the graph. ``with_hidden`` (graphs with a
+        with ``tokens_only`` (graphs with a ``next_token`` output, ``has_next_token``) the argmax
+        token ids [n, n_logits] int64 (-1: a row with NaN/+Inf or no finite logit) and no logits
+        are copied out of the graph. ``with_hidden`` (graphs with a
         ``last_hidden_state`` output, ``has_hidden_states``): returns (that, hidden states
         [n, n_logits, hidden]) instead; without it a graph's hidden states are not fetched.
 
