@@ -218,10 +218,12 @@ def tool_versions() -> dict[str, str]:
 NEXT_TOKEN_TARGETS = ("portable", "onnxruntime")
 
 
-def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions):
+def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions,
+                  next_token: bool = True):
     """Lower the traced graph (``out_dir / traced.file``, weights in its data file) once per
     target; returns the graph specs (primary first, see ``PRIMARY_ORDER``) and the custom ops
-    any of them uses.
+    any of them uses. ``next_token`` False: a graph without logits (a pipeline stage before the
+    last) gets no greedy tail.
 
     Every graph reads the traced data file where its weights are the traced ones: the other
     targets' graphs are copies of the traced proto (a few MB at most; the weights stay in the
@@ -254,7 +256,7 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
             graph, rewritten = lower_for_tensorrt(out_dir, graph)
             _say(opts, f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)"
                  + (f" in {graph.file}" if len(targets) > 1 else ""))
-        if target in NEXT_TOKEN_TARGETS:
+        if next_token and target in NEXT_TOKEN_TARGETS:
             from graphkiln.export.onnx_export import add_next_token
 
             graph = add_next_token(out_dir, graph)

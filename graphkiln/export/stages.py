@@ -389,21 +389,16 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
                   say=lambda msg: None) -> ExportedStages:
     """Trace, save and lower one graph per stage (``stage{k}.onnx`` + ``stage{k}.onnx.data``).
 
-    Each stage graph is lowered for every target exactly as ``pipeline.export_graphs`` lowers the
-    single graph (same passes, opset and IR version): with several targets the other targets'
+    Each stage graph is lowered for every target by ``pipeline.export_graphs``, as the single
+    graph is (same passes, opset and IR version): with several targets the other targets'
     graphs are copies of the stage's traced proto (``stage{k}.<target>.onnx``) reading its data
     file, lowered before the primary one is lowered in place (a MoE stage's onnxruntime graph
     adds ``stage{k}.onnx.onnxruntime.data``). A stage record names one graph, ``stage{k}``, of
     which the manifest holds one per target; its files are every target's."""
-    import dataclasses
-    import shutil
-
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
-    from graphkiln.export.lowering.trt_target import lower_for_tensorrt
-    from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE, add_next_token
-    from graphkiln.export.pipeline import (NEXT_TOKEN_TARGETS, PRIMARY_ORDER, lower_for_onnxruntime,
-                                           release_exporter_references)
+    from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE
+    from graphkiln.export.pipeline import export_graphs
 
     if any(t not in STAGE_TARGETS for t in targets):
         raise GraphkilnError(f"--target {','.join(targets)} is not supported with pipeline stages yet: use "
@@ -430,24 +425,9 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
         save_model(program.model, out_dir / file)
         del program, module
         traced = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
-        primary = next(t for t in PRIMARY_ORDER if t in targets)
-        lowered = []
-        for target in [t for t in PRIMARY_ORDER if t in targets and t != primary] + [primary]:
-            graph, graph_ops = traced, used
-            if target != primary:  # before the primary's in-place lowering changes the traced file
-                graph = dataclasses.replace(traced, file=f"{name}.{target}.onnx")
-                shutil.copyfile(out_dir / file, out_dir / graph.file)
-            if target == "onnxruntime":
-                release_exporter_references()
-                graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used, opts.quant, opts.quant_block_size,
-                                                         opts.quant_symmetric, shared_data=len(targets) > 1)
-            elif target == "tensorrt":
-                graph, _ = lower_for_tensorrt(out_dir, graph)
-            if last and target in NEXT_TOKEN_TARGETS:  # the single-graph export's greedy tail
-                graph = add_next_token(out_dir, graph)
-            lowered.append(graph)
-            ops.update({(o.domain, o.name, o.version): o for o in graph_ops})
-        graphs += [lowered[-1], *lowered[:-1]]  # the primary first, as export_graphs
+        lowered, lowered_ops = export_graphs(out_dir, traced, used, targets, opts, next_token=last)
+        graphs += lowered
+        ops.update({(o.domain, o.name, o.version): o for o in lowered_ops})
         # "stage1." is no prefix of stage10's files: every target's graph and data files, no other stage's
         files = tuple(sorted(p.name for p in out_dir.iterdir() if p.name.startswith(name + ".")))
         specs.append((name, (start, end), files, last and tied))
