@@ -184,7 +184,7 @@ def _check(args) -> int:
 
 
 def _build(args) -> int:
-    from graphkiln.build import build
+    from graphkiln.trt_build import build
 
     result = build(args.artifact, backend=args.backend, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                    log=lambda line: print(line, flush=True))

@@ -101,9 +101,9 @@ def _hybrid(tiny):
 
 
 def _engine_spec(case, max_batch: int = MAX_BATCH, max_seq_len: int = SEQ, **kw) -> EngineSpec:
-    """What ``graphkiln build`` records, with its own profiles (graphkiln.build.profiles): the
+    """What ``graphkiln build`` records, with its own profiles (graphkiln.trt_build.profiles): the
     runner must bind only shapes these admit."""
-    from graphkiln.build.profiles import BuildSizes, make_profiles
+    from graphkiln.trt_build.profiles import BuildSizes, make_profiles
 
     manifest = case.manifest
     spec = manifest.graph("decoder", TRT)

@@ -64,8 +64,8 @@ def build(artifact_dir: str | Path, backend: str = "tensorrt", max_batch: int | 
           max_seq_len: int | None = None, log: Callable[[str], None] | None = None) -> BuildResult:
     """Build the decoder's engine for ``backend`` and write it into the artifact (see the module docstring)."""
     from graphkiln.artifact import check_artifact
-    from graphkiln.build.profiles import DEFAULT_MAX_BATCH, build_sizes, make_profiles, state_pool_bytes, tensorrt_graph
-    from graphkiln.build.publish import check_destinations, engine_paths, lock_artifact, publish_engine
+    from graphkiln.trt_build.profiles import DEFAULT_MAX_BATCH, build_sizes, make_profiles, state_pool_bytes, tensorrt_graph
+    from graphkiln.trt_build.publish import check_destinations, engine_paths, lock_artifact, publish_engine
 
     if backend not in BACKENDS:
         raise GraphkilnError(f"backend {backend!r} cannot build engines: choose one of {', '.join(BACKENDS)}")
@@ -85,7 +85,7 @@ def build(artifact_dir: str | Path, backend: str = "tensorrt", max_batch: int | 
             with open_artifact_file(root, previous.timing_cache) as f:  # its sha256 was just checked
                 old_cache = f.read()
 
-        from graphkiln.build import tensorrt as trt_build
+        from graphkiln.trt_build import tensorrt as trt_build
 
         trt = trt_build.load_tensorrt()
         gpu = trt_build.find_gpu()

@@ -21,9 +21,9 @@ import pytest
 
 from cli_contract import assert_one_error, run_cli
 from graphkiln.artifact import check_artifact
-from graphkiln.build.profiles import (DECODE, INT32_MAX, PREFILL, BuildSizes, admits, build_sizes, make_profiles,
+from graphkiln.trt_build.profiles import (DECODE, INT32_MAX, PREFILL, BuildSizes, admits, build_sizes, make_profiles,
                                       select_profile, state_pool_bytes, tensorrt_graph)
-from graphkiln.build.publish import engine_paths, publish_engine
+from graphkiln.trt_build.publish import engine_paths, publish_engine
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import MANIFEST_NAME, EngineSpec, Manifest
 from graphkiln.runtime.state import StatePool
@@ -225,7 +225,7 @@ def test_a_corrupt_artifact_is_refused_before_anything(tiny, artifact_copy, caps
 
 
 def test_a_second_build_of_one_artifact_is_refused(tiny, artifact_copy, capsys):
-    from graphkiln.build.publish import lock_artifact
+    from graphkiln.trt_build.publish import lock_artifact
 
     art = artifact_copy(tiny(HYBRID, "tensorrt"))
     before = _tree(art)
@@ -347,7 +347,7 @@ def test_an_interrupted_rebuild_keeps_the_previous_engine(tiny, artifact_copy, m
 
 
 def test_build_summary_names_the_engine_and_the_new_digest(tiny, artifact_copy):
-    from graphkiln.build import BuildResult
+    from graphkiln.trt_build import BuildResult
 
     art = artifact_copy(tiny(HYBRID, "tensorrt"))
     manifest, digest = Manifest.read_with_digest(art)
@@ -385,7 +385,7 @@ def test_publish_into_a_read_only_artifact_is_one_line(tiny, artifact_copy):
 def test_tensorrt_build(tiny, artifact_copy, capsys):
     trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install 'graphkiln[tensorrt]' on a "
                                                  "machine with an NVIDIA GPU)")
-    from graphkiln.build.tensorrt import find_gpu
+    from graphkiln.trt_build.tensorrt import find_gpu
 
     try:
         find_gpu()

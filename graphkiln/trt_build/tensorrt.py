@@ -1,12 +1,12 @@
 """The TensorRT calls of ``graphkiln build``: few, thin, imported only when a build runs.
 
 Everything decided before TensorRT is involved (sizes, profiles, the static graph check,
-where files go) is plain code elsewhere in ``graphkiln.build``, tested on CPU. This module
+where files go) is plain code elsewhere in ``graphkiln.trt_build``, tested on CPU. This module
 only finds TensorRT and the GPU, parses the tensorrt-target graph with TensorRT's ONNX parser
 into a strongly typed network (TensorRT 11 has no precision flags: the graph's own types
 decide), adds the given profiles in order and builds the serialized engine with a timing
 cache. It has never run: neither TensorRT nor a GPU is available where graphkiln is built
-and tested (tests/test_build.py runs a real build where both are).
+and tested (tests/test_trt_build.py runs a real build where both are).
 
 The plugins' ahead-of-time kernels are compiled by ``graphkiln.plugins_trt.register`` while
 TensorRT builds, so the engine runs without Python afterwards; the plugins are registered
