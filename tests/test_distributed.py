@@ -264,3 +264,142 @@ def test_stage_placement_refusals_are_one_line(cluster, staged, capsys):
         assert "\n" not in str(exc.value)
     code, _, err = run_cli(capsys, "run", art, "--prompt-ids", "5,6", "--stage-nodes", f"{node},{node}")
     assert_one_error(code, err, "--stage-nodes", "--distributed ray")
+
+
+# -- joining a cluster at an address (--ray-address / RayOptions.address) ------------------------
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on, on every interface (Ray dials 127.0.0.1 as this host's IP)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _run_cli(art, address: str, timeout: float) -> subprocess.Popen:
+    """``graphkiln run ART --distributed ray --ray-address ADDRESS --ray-timeout TIMEOUT`` in a
+    fresh interpreter (no Ray connection yet), stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "run", str(art), "--prompt-ids", "3,4,5",
+                             "--distributed", "ray", "--ray-address", address, "--ray-timeout", f"{timeout:g}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+@pytest.fixture
+def not_ray():
+    """A port that accepts TCP connections and never answers (nothing a Ray head would say):
+    ray.init itself is reached, and blocks in native code."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen(64)
+        yield s.getsockname()[1]
+
+
+@needs_ray
+@pytest.mark.parametrize("kind", ["refused", "not_ray"])
+def test_an_unreachable_ray_address_is_one_line_within_the_timeout(staged, not_ray, kind):
+    """Ray alone retried such an address for minutes, printing only its own GCS warnings."""
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    address = f"127.0.0.1:{_free_port() if kind == 'refused' else not_ray}"
+    start = time.monotonic()
+    proc = _run_cli(art, address, 2)
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines[0] == f"connecting to Ray at {address} (up to 2 s) ..."  # before any line of Ray's
+    assert [l for l in lines if l.startswith("error:")] == [lines[-1]], err
+    want = (f"error: no Ray cluster answered at {address}" if kind == "refused"
+            else f"error: the Ray cluster at {address} did not accept this driver within 2 s")
+    assert lines[-1].startswith(want) and "--ray-timeout" in lines[-1], err
+    if kind == "refused":  # Ray is never called: its warnings cannot appear
+        assert len(lines) == 2 and "ray start --head" in lines[-1], err
+    assert 2 <= took < 2 + 20, took  # the deadline, plus a fresh interpreter's imports on a busy machine
+
+
+@needs_ray
+@pytest.mark.parametrize("kind", ["refused", "not_ray"])
+def test_sigterm_while_joining_a_cluster_ends_the_run_at_once(staged, not_ray, kind):
+    """Waiting on the port (refused) and inside ray.init's native call (not_ray: before, SIGTERM
+    waited ~25 s for that call to return)."""
+    import signal
+
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    address = f"127.0.0.1:{_free_port() if kind == 'refused' else not_ray}"
+    proc = _run_cli(art, address, 120)
+    assert proc.stderr.readline().startswith("connecting to Ray at")
+    time.sleep(1.5)  # well into the connect: the port tried (not_ray: ray.init running in its thread)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    took = time.monotonic() - sent
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "error: interrupted (SIGTERM)" and "Traceback" not in err, err
+    assert took < 5, took
+
+
+@needs_ray
+def test_an_unreachable_ray_address_through_the_api_is_one_line(staged):
+    """``RayOptions(address=, connect_timeout_s=)``, in a fresh interpreter (no Ray connection)."""
+    from graphkiln.runtime.distributed import RayOptions
+
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    address = f"127.0.0.1:{_free_port()}"
+    code = ("import sys, time\n"
+            "from graphkiln.runtime import Engine\n"
+            "from graphkiln.runtime.distributed import RayOptions\n"
+            "start = time.monotonic()\n"
+            "try:\n"
+            f"    Engine.load({str(art)!r}, distributed=RayOptions(address={address!r}, connect_timeout_s=1.5))\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))\n"
+            "import ray\n"
+            "print(time.monotonic() - start, ray.is_initialized())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    error, timing = proc.stdout.splitlines()
+    assert error.startswith(f"GraphkilnError: no Ray cluster answered at {address}") and "within 1.5 s" in error
+    took, initialized = timing.split()
+    assert 1.5 <= float(took) < 10 and initialized == "False"
+    for bad in (0, -1.0, float("nan"), float("inf"), True):  # refused before Ray is imported or dialled
+        with pytest.raises(GraphkilnError, match=r"^RayOptions.connect_timeout_s must be a finite number"):
+            Engine.load(art, distributed=RayOptions(address=address, connect_timeout_s=bad))
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--stage-dirs", ","], ["--stage-dirs ','", "empty entry"]),
+    (["--stage-dirs", ""], ["--stage-dirs ''", "empty entry"]),
+    (["--stage-dirs", "a,,b"], ["--stage-dirs 'a,,b'", "empty entry"]),
+    (["--stage-nodes", "10.0.0.1, "], ["--stage-nodes '10.0.0.1, '", "empty entry"]),
+    (["--stage-nodes", ""], ["--stage-nodes ''", "empty entry"]),
+    (["--ray-timeout", "5"], ["--ray-timeout", "--ray-address"]),
+    (["--ray-address", " "], ["--ray-address is empty"]),
+], ids=["dirs-comma", "dirs-empty", "dirs-gap", "nodes-blank", "nodes-empty", "timeout-alone", "address-blank"])
+def test_ray_flags_with_empty_entries_are_one_line(staged, capsys, argv, needles):
+    """An empty --stage-dirs entry was taken as '.' (the current directory), an empty
+    --stage-nodes one as a node named ''. Refused before any artifact or Ray is opened."""
+    from cli_contract import assert_one_error, run_cli
+
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    code, _, err = run_cli(capsys, "run", art, "--prompt-ids", "5,6", "--distributed", "ray", *argv)
+    assert_one_error(code, err, *needles, alone=True)
+
+
+def test_ray_timeout_must_be_a_positive_number(staged, capsys):
+    from cli_contract import assert_one_error, run_cli
+
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    for value in ("0", "-3", "nan", "soon"):
+        code, _, err = run_cli(capsys, "run", art, "--prompt-ids", "5,6", "--distributed", "ray",
+                               "--ray-address", "auto", "--ray-timeout", value)
+        assert_one_error(code, err, "--ray-timeout", alone=True)

@@ -17,18 +17,23 @@ process (``RayStagedDecoder`` + ``RayStagedPool``) makes the same calls through 
   in stage 1, range B runs in stage 0 (``run`` is ``submit(...).result()``).
 
 Failure. A stage actor that dies (killed, crashed, its node lost) fails the forward that was in
-flight with one ``StageFailed`` line. Actors are created with ``max_restarts`` (default 1): Ray
+flight with one ``StageFailed`` line (any Ray error is looked into: which stage restarted or is
+gone, ``_Pipeline.failed``). Actors are created with ``max_restarts`` (default 1): Ray
 restarts the process, which re-opens the stage's files and comes back with empty pools; the
 driver recognises it by its new incarnation id, sizes its pools as the others, and refuses any
 forward over the rows that were live at the failure (their state on that stage is gone) until
 they are all released — on the survivors only, since the restarted stage never held them. Once
 no slot is live the pipeline is whole again and the next request is served. When restarts are
-exhausted the stage is gone and every call is refused with one line: load the artifact again.
+exhausted, or the stage cannot be restarted (its pinned node left the cluster: Ray reports the
+actor unschedulable), the stage is gone: the survivors' slots are all released at once (nothing
+runs on them again) and every forward is refused with one line: load the artifact again.
 
 Cluster. With no Ray connection in this process, ``open_ray`` starts a local one (``num_cpus``
 as given, else at least one per stage; no dashboard; Ray's logs kept out of the terminal); with
 ``RayOptions.address`` it joins an existing cluster, where each stage's directory
-(``stage_dirs``) is a path on the node that runs it. Lifecycle: the actors live as long as the
+(``stage_dirs``) is a path on the node that runs it, within ``connect_timeout_s`` or with one
+``GraphkilnError`` line (``join_cluster``: Ray alone would retry an unreachable address for
+minutes). Lifecycle: the actors live as long as the
 driver (``close``, or garbage collection of the Engine, ends them); a cluster started here is
 shut down with the last driver that uses it.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -53,6 +59,7 @@ from graphkiln.runtime.state import PackedSlots
 
 INSTALL_HINT = "pip install 'graphkiln[distributed]'"
 RESTART_WAIT_S = 120.0  # how long a restarting stage actor may take to answer before it counts as gone
+CONNECT_TIMEOUT_S = 30.0  # RayOptions.connect_timeout_s / --ray-timeout: joining a cluster at an address
 DISTRIBUTED = ("ray",)
 
 
@@ -79,7 +86,9 @@ class RayOptions:
     when one node has it), e.g. the host holding that stage's directory; default: wherever Ray
     places it. A node that is not alive in the cluster is refused before any actor starts.
     ``cpus_per_stage``: the CPUs Ray reserves for each actor (placement only; its onnxruntime
-    threads are the Engine's ``threads``)."""
+    threads are the Engine's ``threads``). ``connect_timeout_s``: how long joining the cluster at
+    ``address`` may take before it fails with one line (Ray itself would keep retrying an
+    unreachable address for minutes)."""
 
     address: str | None = None
     num_cpus: int | None = None
@@ -87,6 +96,7 @@ class RayOptions:
     max_restarts: int = 1
     cpus_per_stage: float = 1.0
     stage_nodes: tuple[str, ...] | None = None
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
 
 
 def import_ray():
@@ -188,6 +198,12 @@ class StageWorker:
         self._check(expect)
         return self.pool.release_keeping_tail(slot, tail)
 
+    def release_all(self, expect: str) -> None:
+        """Free every slot (another stage is gone: none of these rows will run again)."""
+        self._check(expect)
+        while self.pool.live:
+            self.pool.release(self.pool.live - 1)
+
     def scrub(self, expect: str, slot: int) -> None:
         self._check(expect)
         self.pool.scrub(slot)
@@ -261,7 +277,8 @@ class _Pipeline:
         self.capacity = 0
         self.infos = ray.get([a.info.remote() for a in actors])
         self.stale: set[int] = set()  # restarted stages: they lack the state of the rows live now
-        self.gone: str | None = None  # why the pipeline can no longer run (restarts exhausted)
+        self.gone: str | None = None  # why the pipeline can no longer run (a stage is lost)
+        self.lost: set[int] = set()  # stages gone for good (restarts exhausted, pinned node gone)
         self._finalizer = weakref.finalize(self, _end, ray, list(actors), owns_cluster)
 
     def close(self) -> None:
@@ -289,11 +306,13 @@ class _Pipeline:
 
     def get(self, refs):
         """``ray.get``; an actor that died or restarted becomes ``StageFailed`` (``failed``), a
-        ``GraphkilnError`` raised in a stage its own line again."""
+        ``GraphkilnError`` raised in a stage its own line again. Every Ray error is looked into,
+        not only ``RayActorError``: a stage whose pinned node left the cluster fails its calls
+        with ``ActorUnschedulableError``, a lost node's objects with ``ObjectLostError``."""
         ray = self.ray
         try:
             return ray.get(refs)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+        except ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, GraphkilnError):
                 raise GraphkilnError(str(cause).splitlines()[0]) from None
@@ -307,11 +326,15 @@ class _Pipeline:
         size the restarted ones' pools as the others, and return the one-line error for the
         caller (None: every stage is the one it was, the error is not a stage failure)."""
         ray = self.ray
-        restarted, lost = [], []
+        restarted, lost, unplaceable = [], [], False
         for k, actor in enumerate(self.actors):
-            info = self._info_after_restart(actor)
+            if k in self.lost:
+                lost.append(k)
+                continue
+            info, error = self._info_after_restart(actor)
             if info is None:
                 lost.append(k)
+                unplaceable |= isinstance(error, ray.exceptions.ActorUnschedulableError)
                 continue
             if info["incarnation"] != self.infos[k]["incarnation"]:
                 self.infos[k] = info
@@ -319,8 +342,14 @@ class _Pipeline:
                 if self.mirror.slots:
                     ray.get(actor.reserve.remote(info["incarnation"], self.mirror.slots, self.capacity))
         if lost:
+            fresh = [k for k in lost if k not in self.lost]
+            self.lost.update(lost)
+            why = ("cannot be restarted: the node it is pinned to left the Ray cluster" if unplaceable
+                   else "was not restarted")
             self.gone = (f"pipeline {', '.join(self.stage_name(k) for k in lost)} is gone (its Ray actor died and "
-                         "was not restarted): load the artifact again")
+                         f"{why}): the requests running failed; load the artifact again")
+            if fresh:  # even with the driver's mirror empty: this may be a release's own call
+                self._release_all_on_survivors()
             return StageFailed(self.gone)
         if not restarted:
             return None
@@ -331,23 +360,34 @@ class _Pipeline:
                            "request failed and its slots are released on the other stages; the next request will be "
                            "served")
 
-    def _info_after_restart(self, actor, wait_s: float = RESTART_WAIT_S) -> dict | None:
-        """The actor's ``info`` once it answers (a restarting actor is "unavailable" for a
-        while: asked again until ``wait_s`` passes); None when it is dead for good."""
+    def _info_after_restart(self, actor, wait_s: float = RESTART_WAIT_S) -> tuple[dict | None, Exception | None]:
+        """(the actor's ``info``, None) once it answers (a restarting actor is "unavailable" for
+        a while: asked again until ``wait_s`` passes); (None, Ray's error) when it is dead for
+        good, or cannot be placed again (its pinned node is gone)."""
         ray = self.ray
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return ray.get(actor.info.remote())
-            except ray.exceptions.ActorUnavailableError:
+                return ray.get(actor.info.remote()), None
+            except ray.exceptions.ActorUnavailableError as exc:
                 if time.monotonic() >= deadline:
-                    return None
+                    return None, exc
                 time.sleep(0.1)
-            except ray.exceptions.RayActorError:
-                return None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as exc:
+                return None, exc
+
+    def _release_all_on_survivors(self) -> None:
+        """A stage is gone for good: free every slot on the others (their rows will never run
+        again), so that from now on the slot calls stay in the driver's mirror."""
+        ray = self.ray
+        keep = [k for k in range(len(self.actors)) if k not in self.lost]
+        try:
+            ray.get([self.actors[k].release_all.remote(self.expect(k)) for k in keep])
+        except ray.exceptions.RayError:
+            pass  # another stage died meanwhile: it holds nothing any more either
 
     def survivors(self) -> list[int]:
-        return [k for k in range(len(self.actors)) if k not in self.stale]
+        return [k for k in range(len(self.actors)) if k not in self.stale and k not in self.lost]
 
     def settle(self) -> None:
         """Once no row is live, the restarted stages are as whole as the others again."""
@@ -535,10 +575,115 @@ def resolve_stage_nodes(ray, stage_nodes: tuple[str, ...] | None, n: int) -> lis
     return out
 
 
+# A join_cluster attempt that timed out while its ray.init was still running (that call cannot be
+# cancelled): a second ray.init beside it would share Ray's process-wide state with it.
+_abandoned_connect: dict = {"thread": None, "address": None}
+
+
+def _dialled(address: str) -> tuple[str, int] | None:
+    """The (host, port) ``ray.init(address=...)`` dials first: the GCS for "host:port" or "auto"
+    (Ray's own resolution: RAY_ADDRESS, the latest ``ray start`` on this machine), the client
+    server for "ray://host:port"; None when that cannot be told here (ray.init then reports)."""
+    if "://" in address:
+        rest = address.split("://", 1)[1].split("/", 1)[0]
+        host, sep, port = rest.rpartition(":")
+        return (host.strip("[]"), int(port)) if sep and port.isdigit() else None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        resolved = canonicalize_bootstrap_address(address)
+    except Exception:  # no running cluster for "auto", a malformed address: ray.init says which
+        return None
+    if resolved is None:
+        return None
+    host, sep, port = resolved.rpartition(":")
+    return (host.strip("[]"), int(port)) if sep and port.isdigit() else None
+
+
+def _wait_for_port(address: str, host: str, port: int, deadline: float, timeout_s: float) -> None:
+    """Until ``deadline``, try a TCP connection to (host, port) (a head that is still starting is
+    waited for); refused or unanswered until then is one GraphkilnError line. Plain sockets: a
+    signal handler runs (SIGTERM ends the wait) as soon as the signal arrives."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
+                return
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+        if time.monotonic() + 0.2 >= deadline:
+            raise GraphkilnError(f"no Ray cluster answered at {address} ({host}:{port}: {why.lower()}) within "
+                                 f"{timeout_s:g} s: start one there (ray start --head --port {port}) or fix the "
+                                 "address (--ray-address, RayOptions.address); --ray-timeout waits longer")
+        time.sleep(0.2)
+
+
+def join_cluster(ray, address: str, timeout_s: float, init_kwargs: dict) -> None:
+    """``ray.init(address=address)`` within ``timeout_s`` seconds, or one GraphkilnError line.
+
+    Why not plain ray.init: against an unreachable address it retries for minutes (20 tries of
+    ~40 s, printing Ray's GCS warnings), and each try is one blocking native call, during which
+    this thread's Python signal handlers cannot run (SIGTERM took ~25 s to act). So the address's
+    port is first tried with plain sockets until the deadline (nothing listening: the error, and
+    Ray is never called); then ray.init runs in a daemon thread while this thread waits for it
+    with a timed, interruptible join. Lifecycle of that thread: if the deadline passes first it is
+    abandoned (it cannot be cancelled); should its ray.init still succeed, it disconnects again at
+    once, and until it ends another join in this process is refused. Ray set up from a thread
+    that is not the main one installs no SIGTERM handler of its own."""
+    pending = _abandoned_connect["thread"]
+    if pending is not None and pending.is_alive():
+        raise GraphkilnError(f"an earlier attempt to join the Ray cluster at {_abandoned_connect['address']} is still "
+                             "running in this process: wait for it to give up, or use a new process")
+    deadline = time.monotonic() + timeout_s
+    dialled = _dialled(address)
+    if dialled is not None:
+        _wait_for_port(address, *dialled, deadline, timeout_s)
+    lock, state = threading.Lock(), {}
+
+    def connect() -> None:
+        try:
+            ray.init(address=address, **init_kwargs)
+        except BaseException as exc:  # handed to the waiting thread
+            with lock:
+                state["error"] = exc
+                state["done"] = True
+            return
+        with lock:
+            if state.get("given_up"):  # nobody waits for this connection any more
+                ray.shutdown()
+            state["done"] = True
+
+    worker = threading.Thread(target=connect, name="graphkiln-ray-connect", daemon=True)
+    worker.start()
+    try:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    finally:  # a timeout, or a signal (SIGTERM, Ctrl-C) raised in the join
+        with lock:
+            if not state.get("done"):
+                state["given_up"] = True
+                _abandoned_connect.update(thread=worker, address=address)
+    if not state.get("done"):
+        raise GraphkilnError(f"the Ray cluster at {address} did not accept this driver within {timeout_s:g} s (its "
+                             "port answers, but not as a Ray head): check the address is the head's GCS port "
+                             "(ray start --head prints it) or ray://host:10001; --ray-timeout waits longer")
+    error = state.get("error")
+    if error is not None:
+        if isinstance(error, GraphkilnError):
+            raise error
+        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt inside Ray: not a connect failure
+            raise error
+        line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise GraphkilnError(f"could not join the Ray cluster at {address} ({line[:300]}): check the address "
+                             "(--ray-address, RayOptions.address) and that the cluster runs the same Ray version") from None
+
+
 def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None, threads: int | None,
              target: str | None = None, options: RayOptions | None = None) -> tuple[RayStagedDecoder, RayStagedPool]:
     """(runner, pool) for a staged artifact with one Ray actor per stage."""
     options = options or RayOptions()
+    timeout = options.connect_timeout_s
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise GraphkilnError(f"RayOptions.connect_timeout_s must be a finite number of seconds > 0, got {timeout!r}")
     if not manifest.stages:
         raise GraphkilnError("--distributed ray runs a pipeline-staged artifact, and this one has a single graph: "
                              "re-export with --stages N or --stage-layers, or run it without --distributed")
@@ -562,7 +707,7 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
         sigterm = signal.getsignal(signal.SIGTERM)
         try:
             if options.address is not None:
-                ray.init(address=options.address, **kwargs)
+                join_cluster(ray, options.address, options.connect_timeout_s, kwargs)
             else:
                 cpus = options.num_cpus or max(math.ceil(n * options.cpus_per_stage), os.cpu_count() or 1)
                 ray.init(num_cpus=cpus, **kwargs)
