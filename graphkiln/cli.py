@@ -88,23 +88,46 @@ def _sha256_hex(text: str) -> str:
 def _distributed(args):
     """--distributed and the Ray placement flags as ``Engine.load``'s ``distributed``."""
     given = {flag: value for flag, value in (("--ray-address", args.ray_address), ("--stage-dirs", args.stage_dirs),
-                                              ("--stage-nodes", args.stage_nodes)) if value is not None}
+                                              ("--stage-nodes", args.stage_nodes), ("--ray-timeout", args.ray_timeout))
+             if value is not None}
     if args.distributed is None:
         if given:
             raise GraphkilnError(f"{next(iter(given))} places Ray stage actors: add --distributed ray, or drop it")
         return None
     if not given:
         return args.distributed
-    from graphkiln.runtime.distributed import RayOptions
+    if args.ray_timeout is not None and args.ray_address is None:
+        raise GraphkilnError("--ray-timeout bounds joining the cluster at --ray-address, and none was given: add "
+                             "--ray-address, or drop --ray-timeout")
+    if args.ray_address is not None and not args.ray_address.strip():
+        raise GraphkilnError("--ray-address is empty: give the head's address (e.g. auto, 10.0.0.1:6379), or drop it")
+    from graphkiln.runtime.distributed import CONNECT_TIMEOUT_S, RayOptions
 
-    split = lambda text: tuple(p.strip() for p in text.split(","))  # noqa: E731
-    return RayOptions(address=args.ray_address, stage_dirs=split(args.stage_dirs) if args.stage_dirs else None,
-                      stage_nodes=split(args.stage_nodes) if args.stage_nodes else None)
+    def split(flag: str, text: str | None) -> tuple[str, ...] | None:
+        if text is None:
+            return None
+        parts = tuple(p.strip() for p in text.split(","))
+        if not all(parts):  # "" or "a,,b" would silently mean "." or drop a stage
+            raise GraphkilnError(f"{flag} '{text}' has an empty entry: give one non-empty entry per stage, "
+                                 "separated by commas")
+        return parts
+
+    options = RayOptions(address=args.ray_address, stage_dirs=split("--stage-dirs", args.stage_dirs),
+                         stage_nodes=split("--stage-nodes", args.stage_nodes),
+                         connect_timeout_s=args.ray_timeout or CONNECT_TIMEOUT_S)
+    if options.address is not None:  # Ray prints nothing of its own until it has connected, or given up
+        print(f"connecting to Ray at {options.address} (up to {options.connect_timeout_s:g} s) ...", file=sys.stderr,
+              flush=True)
+    return options
 
 
 def _add_ray_flags(p) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --distributed ray: join this Ray cluster (e.g. auto) instead of starting a local one")
+    p.add_argument("--ray-timeout", default=None, type=_number(0, low_open=True), metavar="SECONDS",
+                   # the default is runtime.distributed.CONNECT_TIMEOUT_S (not imported here: every
+                   # command builds this parser, and that module pulls in numpy)
+                   help="with --ray-address: how long joining the cluster may take before it fails (default 30)")
     p.add_argument("--stage-dirs", default=None, metavar="D0,D1,...",
                    help="with --distributed ray: per stage, the artifact directory as that stage's node sees it")
     p.add_argument("--stage-nodes", default=None, metavar="N0,N1,...",
