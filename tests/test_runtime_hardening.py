@@ -480,10 +480,28 @@ def test_engine_refuses_broken_generation_defaults_of_an_artifact(llama_case, de
     assert engine.pool.live == 0
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, "4"])
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "4", True, "cpus+1", 100_000])
 def test_engine_refuses_bad_thread_counts(llama_case, threads):
-    with pytest.raises(GraphkilnError, match="threads must be an integer >= 1"):
+    """Every thread count outside 1..usable CPUs is refused before any file is hashed or thread
+    started, with the bound in the message (an unbounded one once started 14,533 threads)."""
+    from graphkiln.threads import usable_cpus
+
+    threads = usable_cpus() + 1 if threads == "cpus+1" else threads
+    with pytest.raises(GraphkilnError, match=rf"threads .*1( to |\.\.){usable_cpus()}") as e:
         Engine.load(llama_case.artifact, threads=threads)
+    assert "\n" not in str(e.value)
+    from graphkiln.runtime.decoder import cpu_session  # where a Ray stage actor's sessions are made
+
+    with pytest.raises(GraphkilnError, match="threads"):
+        cpu_session(llama_case.artifact, llama_case.manifest.graphs[0], threads)
+
+
+def test_engine_takes_every_thread_count_in_its_bound(llama_case):
+    from graphkiln.threads import usable_cpus
+
+    for threads in sorted({1, usable_cpus()}):
+        assert Engine.load(llama_case.artifact, threads=threads, check_files=False).generate(
+            [3, 4], greedy_cfg(2))[0].token_ids
 
 
 @pytest.mark.parametrize("prompt,needle", [

@@ -19,12 +19,12 @@ state read at ``slot_idx``, so that read comes first.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.threads import check_threads
 from graphkiln.manifest import GraphSpec, is_pool_output
 from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.state import StatePool
@@ -60,7 +60,7 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None,
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or os.cpu_count() or 1
+    opts.intra_op_num_threads = check_threads(threads)
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3

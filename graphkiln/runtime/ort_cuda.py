@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.threads import check_threads
 from graphkiln.manifest import GraphSpec, Manifest, is_pool_output
 from graphkiln.runtime.cuda_graphs import DecodePadding, GraphCache, GraphKey, bucket_for, decode_buckets
 from graphkiln.runtime.decoder import total_sequence_length
@@ -448,7 +448,7 @@ class OrtDeviceDecoder:
 
 def _session_options(ort, threads: int | None, record: bool = True):
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or os.cpu_count() or 1
+    opts.intra_op_num_threads = check_threads(threads)
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
