@@ -61,6 +61,8 @@ INSTALL_HINT = "pip install 'graphkiln[distributed]'"
 RESTART_WAIT_S = 120.0  # how long a restarting stage actor may take to answer before it counts as gone
 CONNECT_TIMEOUT_S = 30.0  # RayOptions.connect_timeout_s / --ray-timeout: joining a cluster at an address
 DISTRIBUTED = ("ray",)
+# ray.init's arguments besides where: no dashboard, Ray's logs kept out of the terminal
+INIT_KWARGS = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
 
 
 class StageFailed(GraphkilnError):
@@ -672,7 +674,14 @@ def join_cluster(ray, address: str, timeout_s: float, init_kwargs: dict) -> None
             raise error
         if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt inside Ray: not a connect failure
             raise error
-        line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        cause = error
+        while cause.__cause__ is not None:  # ray.init wraps the reason in "Failed to connect to ..."
+            cause = cause.__cause__
+        if isinstance(cause, ray.exceptions.AuthenticationError):
+            raise GraphkilnError(f"the Ray cluster at {address} refused this driver's authentication: it uses token "
+                                 "authentication, so set RAY_AUTH_MODE=token and give the cluster's token "
+                                 "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)") from None
+        line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         raise GraphkilnError(f"could not join the Ray cluster at {address} ({line[:300]}): check the address "
                              "(--ray-address, RayOptions.address) and that the cluster runs the same Ray version") from None
 
@@ -699,8 +708,7 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
     ray = import_ray()
     if not ray.is_initialized():
         _local_cluster.update(started=False, drivers=0)
-        kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
-                  "configure_logging": True}
+        kwargs = dict(INIT_KWARGS)
         # ray.init replaces this process's SIGTERM handler with sys.exit, and it stays after
         # ray.shutdown: the CLI's own handling (serve's draining, cleanup on interruption) must
         # keep working, so the handler in place before is put back.
