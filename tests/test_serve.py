@@ -83,7 +83,7 @@ class Running:
 
 
 @contextmanager
-def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0):
+def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0, **app_options):
     from graphkiln.runtime.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
     from graphkiln.serve.server import bind, make_server
@@ -91,7 +91,7 @@ def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, dr
     engine = Engine.load(artifact, threads=1)
     scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
     sock = bind("127.0.0.1", 0)
-    server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key), drain_s=drain_s,
+    server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key, **app_options), drain_s=drain_s,
                          log_level="warning")
     scheduler.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -265,40 +265,69 @@ def test_disconnects_free_every_slot_and_metrics_agree(srv, reference, tok_case)
 _C, _CHAT = "/v1/completions", "/v1/chat/completions"
 _OK = {"model": MODEL, "prompt": [5, 6, 7]}
 _MSG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-BAD = {
-    "malformed json": (_C, b'{"model": "tiny", "prompt": [1,', "invalid_json"),
-    "not an object": (_C, b"[1, 2]", "invalid_json"),
-    "unknown field": (_C, dict(_OK, max_token=3), "unknown_field"),
-    "unknown model": (_C, dict(_OK, model="gpt-4"), "model_not_found"),
-    "missing prompt": (_C, {"model": MODEL}, "missing_field"),
-    "max_tokens a string": (_C, dict(_OK, max_tokens="8"), "invalid_value"),
-    "max_tokens negative": (_C, dict(_OK, max_tokens=-1), "invalid_value"),
-    "max_tokens bool": (_C, dict(_OK, max_tokens=True), "invalid_value"),
-    "temperature too high": (_C, dict(_OK, temperature=3), "invalid_value"),
-    "top_p zero": (_C, dict(_OK, top_p=0), "invalid_value"),
-    "n 2": (_C, dict(_OK, n=2), "invalid_value"),
-    "five stops": (_C, dict(_OK, stop=["a", "b", "c", "d", "e"]), "invalid_value"),
-    "empty stop": (_C, dict(_OK, stop=""), "invalid_value"),
-    "logprobs 21": (_C, dict(_OK, logprobs=21), "invalid_value"),
-    "negative seed": (_C, dict(_OK, seed=-1), "invalid_value"),
-    "penalty": (_C, dict(_OK, presence_penalty=0.5), "invalid_value"),
-    "echo": (_C, dict(_OK, echo=True), "invalid_value"),
-    "two prompts": (_C, dict(_OK, prompt=["a", "b"]), "invalid_value"),
-    "prompt too long": (_C, dict(_OK, prompt=[5] * 200), None),
-    "id outside vocab": (_C, dict(_OK, prompt=[5, 10**6]), None),
-    "empty prompt": (_C, dict(_OK, prompt=[]), "invalid_value"),
-    "no messages": (_CHAT, dict(_MSG, messages=[]), "invalid_value"),
-    "bad role": (_CHAT, dict(_MSG, messages=[{"role": "wizard", "content": "hi"}]), "invalid_value"),
+BAD = {  # name: (route, body, code, param)
+    "malformed json": (_C, b'{"model": "tiny", "prompt": [1,', "invalid_json", None),
+    "not an object": (_C, b"[1, 2]", "invalid_json", None),
+    "unknown field": (_C, dict(_OK, max_token=3), "unknown_field", "max_token"),
+    "unknown model": (_C, dict(_OK, model="gpt-4"), "model_not_found", "model"),
+    "missing prompt": (_C, {"model": MODEL}, "missing_field", "prompt"),
+    "max_tokens a string": (_C, dict(_OK, max_tokens="8"), "invalid_value", "max_tokens"),
+    "max_tokens negative": (_C, dict(_OK, max_tokens=-1), "invalid_value", "max_tokens"),
+    "max_tokens bool": (_C, dict(_OK, max_tokens=True), "invalid_value", "max_tokens"),
+    "temperature too high": (_C, dict(_OK, temperature=3), "invalid_value", "temperature"),
+    "temperature a string": (_C, dict(_OK, temperature="hot"), "invalid_value", "temperature"),
+    "top_p zero": (_C, dict(_OK, top_p=0), "invalid_value", "top_p"),
+    "n 2": (_C, dict(_OK, n=2), "invalid_value", "n"),
+    "five stops": (_C, dict(_OK, stop=["a", "b", "c", "d", "e"]), "invalid_value", "stop"),
+    "empty stop": (_C, dict(_OK, stop=""), "invalid_value", "stop"),
+    "stop an int": (_C, dict(_OK, stop=["a", 5]), "invalid_value", "stop"),
+    "logprobs 21": (_C, dict(_OK, logprobs=21), "invalid_value", "logprobs"),
+    "negative seed": (_C, dict(_OK, seed=-1), "invalid_value", "seed"),
+    "penalty": (_C, dict(_OK, presence_penalty=0.5), "invalid_value", "presence_penalty"),
+    "logit_bias": (_C, dict(_OK, logit_bias={"5": "x"}), "invalid_value", "logit_bias"),
+    "echo": (_C, dict(_OK, echo=True), "invalid_value", "echo"),
+    "prompt a number": (_C, dict(_OK, prompt=5), "invalid_value", "prompt"),
+    "prompt mixed": (_C, dict(_OK, prompt=["a", 5]), "invalid_value", "prompt"),
+    "two prompts": (_C, dict(_OK, prompt=["a", "b"]), "invalid_value", "prompt"),
+    "prompt too long": (_C, dict(_OK, prompt=[5] * 200), "context_length_exceeded", "prompt"),
+    "text prompt too long": (_C, dict(_OK, prompt="ab " * 2000), "context_length_exceeded", "prompt"),
+    "id outside vocab": (_C, dict(_OK, prompt=[5, 10**6]), None, "prompt"),
+    "empty prompt": (_C, dict(_OK, prompt=[]), "invalid_value", "prompt"),
+    "lone surrogate": (_C, b'{"model": "tiny", "prompt": "a\\udce9"}', "invalid_json", None),
+    "lone surrogate in chat": (_CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800x"}]}',
+                               "invalid_json", None),
+    "stream_options not an object": (_C, dict(_OK, stream_options=5), "invalid_value", "stream_options"),
+    "stream_options typo": (_CHAT, dict(_MSG, stream=True, stream_options={"include_usag": True}), "unknown_field",
+                            "stream_options.include_usag"),
+    "no messages": (_CHAT, dict(_MSG, messages=[]), "invalid_value", "messages"),
+    "messages an object": (_CHAT, dict(_MSG, messages={"role": "user"}), "invalid_value", "messages"),
+    "bad role": (_CHAT, dict(_MSG, messages=[{"role": "wizard", "content": "hi"}]), "invalid_value",
+                 "messages[0].role"),
+    "missing role": (_CHAT, dict(_MSG, messages=[{"content": "hi"}]), "missing_field", "messages[0].role"),
+    "content a number": (_CHAT, dict(_MSG, messages=[{"role": "user", "content": 5}]), "invalid_value",
+                         "messages[0].content"),
+    "second content a bool": (_CHAT, dict(_MSG, messages=[{"role": "user", "content": "a"},
+                                                          {"role": "user", "content": True}]),
+                              "invalid_value", "messages[1].content"),
     "image part": (_CHAT, dict(_MSG, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-                   "invalid_value"),
-    "top_logprobs alone": (_CHAT, dict(_MSG, top_logprobs=2), None),
-    "stream_options typo": (_CHAT, dict(_MSG, stream=True, stream_options={"include_usag": True}), "unknown_field"),
+                   "invalid_value", "messages[0].content"),
+    "text part without text": (_CHAT, dict(_MSG, messages=[{"role": "user", "content": [{"type": "text"}]}]),
+                               "invalid_value", "messages[0].content"),
+    "max_completion_tokens negative": (_CHAT, dict(_MSG, max_completion_tokens=-1), "invalid_value",
+                                       "max_completion_tokens"),
+    "chat logprobs an int": (_CHAT, dict(_MSG, logprobs=3), "invalid_value", "logprobs"),
+    "top_logprobs alone": (_CHAT, dict(_MSG, top_logprobs=2), None, "top_logprobs"),
+    "chat temperature a list": (_CHAT, dict(_MSG, temperature=[1]), "invalid_value", "temperature"),
 }
+# pydantic's union member tags, never part of a field's name
+_TAGS = re.compile(r"(^|\.)(str|int|float|bool|none)(\.|\[|$)|list\[|dict\[|literal\[|constrained|TextPart|function")
 
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input_is_a_400_in_openai_shape(srv, name):
-    path, body, code = BAD[name]
+    """Every malformed field of both routes is a 400 whose param names the field as OpenAI
+    writes it (messages[0].content), never pydantic's location (prompt.str)."""
+    path, body, code, param = BAD[name]
     r = srv.post(path, body)
     assert r.status_code == 400, (name, r.status_code, r.text)
     err = r.json()["error"]
@@ -306,6 +335,8 @@ def test_bad_input_is_a_400_in_openai_shape(srv, name):
     assert err["message"] and "\n" not in err["message"]
     if code is not None:
         assert err["code"] == code, err
+    assert err["param"] == param, err
+    assert param is None or not _TAGS.search(param)
 
 
 def test_routes_unknown_and_health(srv):
@@ -423,3 +454,65 @@ def test_cli_port_in_use_is_one_line(capsys, artifact):
         assert_one_error(code, err, "cannot listen on 127.0.0.1", "--port")
     finally:
         taken.close()
+
+
+OPENAI_FINISH = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+
+
+def _finish_reasons(resp: "httpx.Response", stream: bool) -> list:
+    if not stream:
+        return [c["finish_reason"] for c in resp.json()["choices"]]
+    reasons = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: {"):
+            reasons += [c["finish_reason"] for c in json.loads(line[6:]).get("choices", []) if c["finish_reason"]]
+    return reasons
+
+
+def test_finish_reasons_are_openai_ones_even_at_the_drain_deadline(artifact, tok_case, reference):
+    """Over both routes, streamed and not: requests ending by length (max_tokens, 0 included),
+    by a stop string, and cut by a drain deadline; every finish_reason is OpenAI's or vLLM's
+    "abort", and the cut requests end with "abort" (the scheduler's "cancelled" never leaks)."""
+    prompt = tok_case.prompts([6], salt=9)[0]
+    text = _alone(reference, prompt, 12).text
+    plans = [dict(max_tokens=0), dict(max_tokens=3), dict(max_tokens=12, stop=[text[4:6]] if text[4:6].strip() else [])]
+    seen: set = set()
+    with serving(artifact, drain_s=0.0) as s:
+        for plan in plans:
+            for path, body in ((_C, {"prompt": prompt}), (_CHAT, {"messages": [{"role": "user", "content": "hi"}]})):
+                for stream in (False, True):
+                    r = s.post(path, {"model": MODEL, "temperature": 0, "stream": stream, **body, **plan})
+                    assert r.status_code == 200, r.text
+                    seen.update(_finish_reasons(r, stream))
+        # four long requests, two per route, one of each streamed: cut by the deadline
+        long = {"model": MODEL, "temperature": 0, "max_tokens": 120, "ignore_eos": True}
+        cut = [(_C, dict(long, prompt=prompt[:3]), False), (_C, dict(long, prompt=prompt[:3], stream=True), True),
+               (_CHAT, dict(long, messages=[{"role": "user", "content": "a"}]), False),
+               (_CHAT, dict(long, messages=[{"role": "user", "content": "a"}], stream=True), True)]
+        slow = threading.Event()
+
+        def throttle():  # long enough a generation that the deadline falls inside it
+            while not slow.is_set():
+                with s.scheduler._lock:
+                    time.sleep(0.01)
+                time.sleep(0.001)
+
+        throttler = threading.Thread(target=throttle)
+        throttler.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(s.post, path, body) for path, body, _ in cut]
+                end = time.monotonic() + 10
+                while s.scheduler.stats().running < 4 and time.monotonic() < end:
+                    time.sleep(0.01)
+                s.server.should_exit = True  # shutdown: no time to drain, the next step cancels them
+                responses = [f.result() for f in futures]
+        finally:
+            slow.set()
+            throttler.join()
+    for (path, body, stream), r in zip(cut, responses):
+        assert r.status_code == 200, r.text
+        reasons = _finish_reasons(r, stream)
+        assert reasons[-1:] == ["abort"], (path, stream, reasons, r.text[-300:])
+        seen.update(reasons)
+    assert seen <= OPENAI_FINISH | {"abort"} and {"length", "abort"} <= seen, seen

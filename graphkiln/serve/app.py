@@ -9,12 +9,30 @@ prompt too long), 401 without the API key, 413 for a body over ``max_body_bytes`
 ``Retry-After`` when the scheduler's queue is full, 503 while shutting down, 500 when generation
 itself failed (that request only: the others keep running).
 
-Lifecycle of a generation request: parse and validate the body -> submit to the scheduler (in a
-worker thread: tokenization never blocks the event loop) -> a watcher task waits for the client's
+Lifecycle of a generation request: read the body (at most ``max_body_bytes``) -> in a worker thread
+of its lane (``graphkiln.serve.admission``: big bodies never delay small ones, and a full big lane
+is a 429 with ``Retry-After``), parse and validate it, refuse a text prompt too long for the
+artifact by its character count alone, render the chat template, tokenize (the GIL released) and
+submit to the scheduler; nothing of this runs on the event loop -> a watcher task waits for the client's
 ``http.disconnect`` and cancels the request (its slot is freed at the scheduler's next step) ->
 events are read with ``RequestHandle.aevents()`` -> on every exit path (done, failed, client gone)
 the handle is cancelled (idempotent) and the watcher stopped. The app never starts or stops the
 scheduler: ``graphkiln.serve.server`` owns both lifecycles.
+
+``param`` of a 400 names the field as OpenAI writes it (``messages[0].content``, ``stop``), never
+pydantic's internal location (which adds union members' type names such as ``str``).
+
+finish_reason, as OpenAI clients know it: "stop" (an EOS token or a stop string) and "length"
+(``max_tokens``, or the artifact's maximum sequence length) pass through; a request that the
+shutdown's drain deadline cut short (the scheduler's "cancelled") ends with vLLM's "abort". A
+request that reached its stop or length first finishes with that reason, never "abort". A
+client that hung up sees nothing; the Python API's ``TokenEvent`` keeps "cancelled", and so does
+the ``graphkiln_requests_finished_total{reason}`` metric.
+
+``GET /openapi.json`` is FastAPI's OpenAPI document of these routes, with the request bodies as
+the routes parse them (strict, no unknown fields, the served model name as the only ``model``)
+and every response, errors included. With an API key it needs the key like every route but
+``/health``: it describes this deployment (the model's name) and the key keeps that private.
 """
 
 from __future__ import annotations
@@ -25,18 +43,21 @@ import json
 import logging
 import secrets
 import time
+import typing
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.requests import GenerationConfig, TokenEvent
+from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
+from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, LaneFull, Lanes, chars_per_token_bound, min_tokens
 from graphkiln.serve.chat import ChatTemplate, ChatTemplateError
 from graphkiln.serve.metrics import ServerMetrics
 
@@ -51,6 +72,7 @@ class AppOptions:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    big_lane_bytes: int = DEFAULT_BIG_LANE_BYTES  # bodies over 64 KiB being prepared at once (admission)
 
 
 class ApiError(Exception):
@@ -73,9 +95,37 @@ class ServerState:
     def __init__(self, scheduler, engine, options: AppOptions) -> None:
         self.scheduler, self.engine, self.options = scheduler, engine, options
         self.metrics = ServerMetrics(scheduler.stats)
-        self.chat = ChatTemplate.load(engine.artifact_dir, tuple(engine.manifest.tokenizer_files))
+        files = tuple(engine.manifest.tokenizer_files)
+        # the routes' own tokenizers.Tokenizer (the engine's file): encode_batch releases the GIL
+        self.tokenizer = None
+        if engine.tokenizer is not None and "tokenizer.json" in files:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(engine.artifact_dir / "tokenizer.json"))
+        self.chars_per_token = chars_per_token_bound(self.tokenizer) if self.tokenizer is not None else None
+        self.chat = ChatTemplate.load(engine.artifact_dir, files, tokenizer=self.tokenizer)
+        self.lanes = Lanes(options.big_lane_bytes)
         self.created = int(time.time())
         self.draining = False
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that provably has more tokens than the artifact takes, before tokenizing."""
+        m, limit = self.chars_per_token, self.engine.max_seq_len
+        if m is not None and chars > (limit - 1) * m:
+            raise ApiError(400, f"{param} has {chars} characters, so at least {min_tokens(chars, m)} tokens, but the "
+                                f"artifact's maximum sequence length is {limit}: shorten it or re-export with a larger "
+                                "--max-seq-len", param=param, code="context_length_exceeded")
+
+    def check_tokens(self, count: int, param: str) -> None:
+        limit = self.engine.max_seq_len
+        if count >= limit:
+            raise ApiError(400, f"{param} has {count} tokens but the artifact's maximum sequence length is {limit}: "
+                                "shorten it or re-export with a larger --max-seq-len", param=param,
+                           code="context_length_exceeded")
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        # no lone surrogates here to refuse: pydantic's JSON parser already refuses their escapes
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
 
 
 def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
@@ -83,6 +133,8 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
     state = ServerState(scheduler, engine, options)
     app = FastAPI(title="graphkiln", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.graphkiln = state
+    # served by a route of its own (below), so that it needs the API key like the others
+    app.openapi = lambda: app.openapi_schema or _cache_openapi(app, options)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -109,7 +161,7 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/health")
+    @app.get("/health", responses=R.RESPONSES["health"])
     async def health():
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -117,45 +169,97 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(authorize)])
 
-    @api.get("/metrics")
+    @api.get("/metrics", responses=R.RESPONSES["metrics"], response_class=PlainTextResponse)
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=R.RESPONSES["models"])
     async def models():
         card = S.ModelCard(id=options.model_name, created=state.created, max_model_len=engine.max_seq_len)
         return S.ModelList(data=[card]).model_dump()
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", **R.generation_route(S.Completion, S.Completion))
     async def completions(request: Request):
         arrived = time.perf_counter()
-        req = _parse(S.CompletionRequest, await _read_body(request, options.max_body_bytes))
-        _check_model(req.model, options.model_name)
-        config = _config(req, req.max_tokens, req.logprobs)
-        handle = await _submit(state, req.single_prompt, config)
+        _check_open(state)
+        body = await _read_body(request, options.max_body_bytes)
+        req, handle = await _in_lane(state, len(body), _prepare_completion, state, body)
         return await _respond(request, state, handle, arrived, _CompletionShape(req, options.model_name, engine))
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", **R.generation_route(S.ChatCompletion, S.ChatCompletionChunk))
     async def chat_completions(request: Request):
         arrived = time.perf_counter()
-        req = _parse(S.ChatCompletionRequest, await _read_body(request, options.max_body_bytes))
-        _check_model(req.model, options.model_name)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        messages = [m.for_template() for m in req.messages]
-        try:
-            ids = await asyncio.to_thread(state.chat.encode, messages)
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages", code="chat_template") from None
-        handle = await _submit(state, ids, config)
+        _check_open(state)
+        body = await _read_body(request, options.max_body_bytes)
+        req, handle = await _in_lane(state, len(body), _prepare_chat, state, body)
         return await _respond(request, state, handle, arrived, _ChatShape(req, options.model_name, engine))
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi_document():
+        return JSONResponse(app.openapi())
 
     app.include_router(api)
     return app
 
 
+def _cache_openapi(app: FastAPI, options: AppOptions) -> dict:
+    app.openapi_schema = R.openapi_document(app, options.model_name, options.api_key is not None)
+    return app.openapi_schema
+
+
 # -- request handling ---------------------------------------------------------------------
+
+
+def _check_open(state: ServerState) -> None:
+    if state.draining:
+        raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
+                       code="shutting_down")
+
+
+async def _in_lane(state: ServerState, size: int, prepare, *args):
+    """``prepare(*args)`` in the worker lane for a body of ``size`` bytes (``admission``)."""
+    try:
+        future = state.lanes.submit(size, prepare, *args)
+    except LaneFull as exc:
+        raise ApiError(429, f"the server is busy preparing other large requests ({exc.in_flight} bytes): retry "
+                            "shortly, or send a shorter prompt", "rate_limit_error", code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        # the route was abandoned while its request was prepared: nobody will read that request
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result()[1].cancel())
+        raise
+
+
+def _prepare_completion(state: ServerState, body: bytes):
+    """In a lane worker: the parsed request and its scheduler handle."""
+    req = _parse(S.CompletionRequest, body)
+    _check_model(req.model, state.options.model_name)
+    config = _config(req, req.max_tokens, req.logprobs)
+    prompt = req.single_prompt
+    if isinstance(prompt, str) and state.tokenizer is not None:  # without one, submit refuses text
+        state.check_chars(len(prompt), "prompt")
+        prompt = state.encode(prompt, special=True)  # as Engine tokenizes: the post-processor's BOS
+    if not isinstance(prompt, str):
+        state.check_tokens(len(prompt), "prompt")
+    return req, _submit(state, prompt, config, "prompt")
+
+
+def _prepare_chat(state: ServerState, body: bytes):
+    req = _parse(S.ChatCompletionRequest, body)
+    _check_model(req.model, state.options.model_name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    try:
+        text = state.chat.render([m.for_template() for m in req.messages])
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages", code="chat_template") from None
+    state.check_chars(len(text), "messages")
+    ids = state.encode(text, special=False)  # the template already wrote any BOS
+    state.check_tokens(len(ids), "messages")
+    return req, _submit(state, ids, config, "messages")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -177,29 +281,55 @@ def _parse(model: type[BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, model) from None
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
+def _validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
         return ApiError(400, f"request body is not valid JSON ({_clip(first.get('ctx', {}).get('error', ''))}): "
                              "send one JSON object", code="invalid_json")
-    if first["type"] == "model_type":
+    if first["type"] == "model_type" and not first["loc"]:
         return ApiError(400, "request body must be a JSON object", code="invalid_json")
-    # union members add their type names to the location: keep field names and list indices
-    path = [p for p in first["loc"] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
-    param = ".".join(map(str, path)) or None
-    top = path[0] if path else None
+    param = _param(model, first["loc"], first["type"] == "extra_forbidden")
     if first["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field '{param}': graphkiln serve does not support it; leave it out",
                         param=param, code="unknown_field")
     if first["type"] == "missing":
         return ApiError(400, f"'{param}' is required", param=param, code="missing_field")
-    # one field failing every member of a union gives one error per member: name them together
-    msgs = list(dict.fromkeys(_clip(e["msg"]) for e in errors if e["loc"][:1] == (top,)))[:3]
+    # a field failing every member of a union gives one error per member: name them together
+    inside = [e for e in errors if _within(_param(model, e["loc"], e["type"] == "extra_forbidden"), param)]
+    msgs = list(dict.fromkeys(_clip(e["msg"]) for e in inside))[:3]
     return ApiError(400, f"invalid '{param}': {'; or '.join(msgs)}", param=param, code="invalid_value")
+
+
+def _param(model: type[BaseModel], loc: tuple, unknown: bool) -> str | None:
+    """The field an error's location names, as OpenAI writes it (``messages[0].content``).
+    pydantic's location also holds the tags of union members (``str``, ``list[int]``, a model's
+    name) and dict keys: only the field names of the models along the path and list indices are
+    kept, and, for an unknown field (``unknown``), its own name at the end."""
+    out, models = "", [model]
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        owner = next((m for m in models if part in m.model_fields), None)
+        if owner is None and not (unknown and i == len(loc) - 1):
+            continue
+        out += f".{part}" if out else part
+        models = _models_in(owner.model_fields[part].annotation) if owner is not None else []
+    return out or None
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _within(param: str | None, field: str | None) -> bool:
+    return param == field or (param is not None and field is not None and param.startswith((field + ".", field + "[")))
 
 
 def _clip(text: str, n: int = 200) -> str:
@@ -228,22 +358,21 @@ def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None) -> G
         raise ApiError(400, str(exc)) from None
 
 
-async def _submit(state: ServerState, prompt, config: GenerationConfig):
+def _submit(state: ServerState, prompt, config: GenerationConfig, param: str):
+    """``Scheduler.submit`` (in a lane worker) with its refusals as ApiErrors."""
     from graphkiln.runtime.scheduler import QueueFull, ShuttingDown
 
-    if state.draining:
-        raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
-                       code="shutting_down")
+    _check_open(state)
     try:
-        return await asyncio.to_thread(state.scheduler.submit, prompt, config)
+        return state.scheduler.submit(prompt, config)
     except QueueFull as exc:
         raise ApiError(429, f"{exc}", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
                        code="shutting_down") from None
-    except GraphkilnError as exc:  # prompt too long, ids outside the vocabulary, ...
-        raise ApiError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+    except GraphkilnError as exc:  # ids outside the vocabulary, no tokenizer for a text prompt, ...
+        raise ApiError(400, str(exc), param=param) from None
 
 
 async def _cancel_on_disconnect(request: Request, handle) -> None:
@@ -336,6 +465,12 @@ def _dump(model: BaseModel) -> dict:
 # -- response shapes ------------------------------------------------------------------------
 
 
+def _finish(reason: str | None) -> str | None:
+    """The finish_reason OpenAI clients know (module docstring): the scheduler's "cancelled"
+    (cut by the drain deadline) is vLLM's "abort"."""
+    return reason if reason in (None, "stop", "length") else "abort"
+
+
 def _tokens(events: list[TokenEvent]) -> list[TokenEvent]:
     """The events that carry a token (a cancellation's last event has token_id -1)."""
     return [e for e in events if e.token_id >= 0]
@@ -384,7 +519,7 @@ class _CompletionShape(_Shape):
 
     def whole(self, handle, events: list[TokenEvent]) -> dict:
         choice = S.CompletionChoice(text="".join(e.text for e in events), logprobs=self._logprobs(events),
-                                    finish_reason=events[-1].finish_reason if events else "length",
+                                    finish_reason=_finish(events[-1].finish_reason if events else "length"),
                                     token_ids=self.ids(events))
         return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage(handle, len(_tokens(events))),
@@ -393,7 +528,7 @@ class _CompletionShape(_Shape):
     def chunk(self, ev: TokenEvent) -> dict | None:
         if not ev.text and ev.finish_reason is None and self.req.logprobs is None and not self.req.return_token_ids:
             return None  # nothing to say yet (a pending stop string or a partial character)
-        choice = S.CompletionChoice(text=ev.text, logprobs=self._logprobs([ev]), finish_reason=ev.finish_reason,
+        choice = S.CompletionChoice(text=ev.text, logprobs=self._logprobs([ev]), finish_reason=_finish(ev.finish_reason),
                                     token_ids=self.ids([ev]))
         return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
 
@@ -420,7 +555,7 @@ class _ChatShape(_Shape):
     def whole(self, handle, events: list[TokenEvent]) -> dict:
         choice = S.ChatChoice(message=S.AssistantMessage(content="".join(e.text for e in events)),
                               logprobs=self._logprobs(events),
-                              finish_reason=events[-1].finish_reason if events else "length",
+                              finish_reason=_finish(events[-1].finish_reason if events else "length"),
                               token_ids=self.ids(events))
         return _dump(S.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=self.usage(handle, len(_tokens(events))),
@@ -438,7 +573,7 @@ class _ChatShape(_Shape):
             return None
         delta = S.Delta(content=ev.text) if ev.text or ev.finish_reason is None else S.Delta()
         return self._chunk([S.ChatChunkChoice(delta=delta, logprobs=self._logprobs([ev]),
-                                              finish_reason=ev.finish_reason, token_ids=self.ids([ev]))])
+                                              finish_reason=_finish(ev.finish_reason), token_ids=self.ids([ev]))])
 
     def usage_chunk(self, handle, count: int) -> dict:
         return self._chunk([], self.usage(handle, count))

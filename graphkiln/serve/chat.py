@@ -53,7 +53,8 @@ class ChatTemplate:
     tokenizer: Any | None = None  # tokenizers.Tokenizer
 
     @classmethod
-    def load(cls, artifact_dir: Path, tokenizer_files: tuple[str, ...]) -> "ChatTemplate":
+    def load(cls, artifact_dir: Path, tokenizer_files: tuple[str, ...], tokenizer: Any | None = None) -> "ChatTemplate":
+        """``tokenizer``: the artifact's tokenizer.json already loaded (else loaded here)."""
         config: dict = {}
         if CONFIG_FILE in tokenizer_files:
             try:
@@ -81,12 +82,11 @@ class ChatTemplate:
                 problem = f"the chat_template in its {CONFIG_FILE} is not a template string"
         if source is None and problem is None:
             problem = f"it has neither {TEMPLATE_FILE} nor a chat_template in {CONFIG_FILE}"
-        tokenizer = None
-        if "tokenizer.json" in tokenizer_files:
+        if tokenizer is None and "tokenizer.json" in tokenizer_files:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(artifact_dir / "tokenizer.json"))
-        elif problem is None:
+        if tokenizer is None and problem is None:
             problem = "it has no tokenizer.json to encode the rendered prompt"
         template = None
         if problem is None:
@@ -113,7 +113,8 @@ class ChatTemplate:
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt's token ids; the template already wrote any BOS, so none is added."""
         text = self.render(messages)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it: other threads would stall)
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,6 +21,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 
 Number = StrictInt | StrictFloat
+# bounds on each member, so the JSON schema (/openapi.json) carries them as minimum/maximum
+Temperature = Annotated[StrictInt, Field(ge=0, le=2)] | Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[StrictInt, Field(gt=0, le=1)] | Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)]
 _REQUEST = ConfigDict(extra="forbid", strict=True)
 
 
@@ -42,8 +45,8 @@ class _Sampling(BaseModel):
 
     model: Annotated[StrictStr, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's extension; 0 disables it
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stream: StrictBool = False
@@ -255,6 +258,10 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "draining"]
 
 
 class ErrorDetail(BaseModel):

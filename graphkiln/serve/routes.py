@@ -1,0 +1,88 @@
+"""The OpenAPI description of the routes (``GET /openapi.json``): what FastAPI cannot infer.
+
+The generation routes read their bodies themselves (size limit, strict parsing in a worker lane,
+errors in OpenAI's shape), so FastAPI sees no body parameter: ``openapi_document`` adds the request
+schemas (``schemas.CompletionRequest``, ``schemas.ChatCompletionRequest``) as the routes parse them,
+narrows ``model`` to the served name (any other is a 400), and declares the API key's bearer scheme
+when one is set (every operation but ``/health``; without a key, no 401 is documented). Responses,
+errors included, are declared on the routes with ``generation_route`` and ``RESPONSES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphkiln.serve import schemas as S
+
+_ERROR = {"model": S.ErrorBody}
+_RETRY = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
+AUTH = {401: {**_ERROR, "description": "missing or wrong API key (only when the server has one)"}}
+
+
+def generation_route(body: type, chunk: type) -> dict[str, Any]:
+    """FastAPI route arguments for a generation route whose whole response is ``body`` and whose
+    stream is ``chunk`` events (each event's ``data`` described as OpenAPI 3.1 describes one
+    event of a stream: its JSON in ``contentSchema``; a failure mid-stream is an ``ErrorBody``)."""
+    data = {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                             "contentSchema": {"anyOf": [_ref(chunk), _ref(S.ErrorBody)]}}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return dict(responses={
+        200: {"model": body, "description": f"the completion; with stream: true, server-sent events, each `data: <JSON "
+                                            f"{chunk.__name__}>`, then `data: [DONE]`",
+              "content": {"text/event-stream": {"schema": event}}},
+        400: {**_ERROR, "description": "malformed JSON, unknown field or model, ill-typed or out-of-range value, "
+                                       "prompt too long"},
+        **AUTH,
+        413: {**_ERROR, "description": "body over the server's size limit"},
+        429: {**_ERROR, "headers": _RETRY, "description": "queue full, or too many large bodies being prepared"},
+        500: {**_ERROR, "description": "generation failed (this request only)"},
+        503: {**_ERROR, "description": "shutting down"},
+    })
+
+
+RESPONSES = {
+    "models": {200: {"model": S.ModelList, "description": "the served model"}, **AUTH},
+    "metrics": {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **AUTH},
+    "health": {200: {"model": S.Health, "description": "serving"},
+               503: {"model": S.Health, "description": "shutting down"}},
+}
+
+_BODIES = {"/v1/completions": S.CompletionRequest, "/v1/chat/completions": S.ChatCompletionRequest}
+_CHUNKS = (S.Completion, S.ChatCompletionChunk, S.ErrorBody)  # referenced by the streams' events
+
+
+def _ref(model: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def openapi_document(app, model_name: str, api_key: bool) -> dict[str, Any]:
+    from fastapi.openapi.utils import get_openapi
+
+    from graphkiln import __version__
+
+    doc = get_openapi(title=app.title, version=__version__, routes=app.routes,
+                      description="OpenAI-compatible completions over a graphkiln artifact")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in _CHUNKS:
+        if model.__name__ not in schemas:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, sub in schema.pop("$defs", {}).items():
+                schemas.setdefault(name, sub)
+            schemas[model.__name__] = schema
+    for path, model in _BODIES.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schema["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+        schemas[model.__name__] = schema
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            if not api_key:
+                op["responses"].pop("401", None)
+            elif path != "/health":
+                op["security"] = [{"bearer": []}]
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
