@@ -376,6 +376,32 @@ def test_an_unreachable_ray_address_through_the_api_is_one_line(staged):
             Engine.load(art, distributed=RayOptions(address=address, connect_timeout_s=bad))
 
 
+@needs_ray
+def test_a_timed_out_join_refuses_a_second_one_while_it_runs(staged, not_ray):
+    """ray.init cannot be cancelled: after the deadline its thread runs on, and a second join in
+    the same process (which would share Ray's process-wide state with it) is refused."""
+    _, art, _ = staged("qwen3_mixed_sliding", 2)
+    code = ("import time\n"
+            "from graphkiln.runtime import Engine\n"
+            "from graphkiln.runtime.distributed import RayOptions\n"
+            "for _ in range(2):\n"
+            "    start = time.monotonic()\n"
+            "    try:\n"
+            f"        Engine.load({str(art)!r}, distributed=RayOptions(address='127.0.0.1:{not_ray}', "
+            "connect_timeout_s=1.5))\n"
+            "    except Exception as e:\n"
+            "        print(f'{time.monotonic() - start:.2f}', type(e).__name__ + ': ' + str(e))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.splitlines()
+    assert first.split(" ", 1)[1].startswith(f"GraphkilnError: the Ray cluster at 127.0.0.1:{not_ray} did not accept")
+    assert 1.5 <= float(first.split()[0]) < 10
+    assert second.split(" ", 1)[1].startswith(f"GraphkilnError: an earlier attempt to join the Ray cluster at "
+                                              f"127.0.0.1:{not_ray} is still running in this process")
+    assert float(second.split()[0]) < 1
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["--stage-dirs", ","], ["--stage-dirs ','", "empty entry"]),
     (["--stage-dirs", ""], ["--stage-dirs ''", "empty entry"]),

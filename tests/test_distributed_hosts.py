@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ def two_hosts(tmp_path_factory):
         pytest.skip(f"cannot create a network namespace here (needs root): {probe.stderr.strip()}")
     token = uuid.uuid4().hex
     procs: list[subprocess.Popen] = []
+    temp = None
     root = tmp_path_factory.mktemp("two-hosts")
     try:
         n = _free_subnet()
@@ -153,8 +155,9 @@ def two_hosts(tmp_path_factory):
 
         ray_cli = str(Path(sys.executable).with_name("ray"))
         # its own temp dir: the address file a `ray start` writes there would otherwise make any
-        # other ray.init() on this machine (another test's local cluster) join this cluster
-        temp = str(root / "ray")
+        # other ray.init() on this machine (another test's local cluster) join this cluster. A short
+        # path: Ray's socket paths under it must fit AF_UNIX's 107 bytes (pytest's do not always).
+        temp = tempfile.mkdtemp(prefix="gkr-", dir="/tmp")
         # Ray's token authentication: `ray start` turns it on by default, a driver joining by
         # address follows RAY_AUTH_MODE only (this process is in "token" mode, with the token in
         # ~/.ray/auth_token, once a local ray.init() ran in it). The cluster follows this process.
@@ -190,7 +193,9 @@ def two_hosts(tmp_path_factory):
             procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", netns, ray_cli, "start", "--address", address, "--node-ip-address",
                  worker_ip, *common], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        sigterm = signal.getsignal(signal.SIGTERM)
         join_cluster(ray, address, 60.0, dict(INIT_KWARGS))
+        assert signal.getsignal(signal.SIGTERM) is sigterm  # joined from a thread: Ray installed no handler
         while len(alive := [n for n in ray.nodes() if n["Alive"]]) < 2:
             assert procs[1].poll() is None, (root / "worker.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the worker node did not join within 90 s"
@@ -211,6 +216,8 @@ def two_hosts(tmp_path_factory):
             os.kill(int(pid), signal.SIGKILL)
         _ip("netns", "del", netns, check=False)
         _ip("link", "del", veth, check=False)  # gone with the namespace, unless that failed
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
         left = _wait_gone(_with_token(token), 10)
         assert not left, f"processes of the test cluster left behind: {left}"
 
@@ -265,10 +272,21 @@ def test_stages_on_two_hosts_match_the_single_graph(two_hosts, two_stage):
     prompts = case.prompts([7, 3, 12], salt=11)
     single = Engine.load(case.artifact, threads=1)
     want = single.generate(prompts, _greedy(32, output_logits=True))
-    sigterm = signal.getsignal(signal.SIGTERM)
+    # the command line a user types on the head host (another driver, in a fresh interpreter;
+    # first: each node has one CPU, which a stage actor holds while its engine is open)
+    prompt = prompts[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphkiln.cli", "run", str(art), "--prompt-ids", ",".join(map(str, prompt)),
+         "--max-new-tokens", "12", "--greedy", "--ignore-eos", "--threads", "1", "--distributed", "ray",
+         "--ray-address", two_hosts.address, "--ray-timeout", "60", "--stage-dirs", ",".join(dirs),
+         "--stage-nodes", f"{two_hosts.head_ip},{two_hosts.worker_ip}"],
+        capture_output=True, text=True, timeout=90, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(t) for t in want[0].token_ids[:12]]
+    assert proc.stderr.splitlines()[0] == f"connecting to Ray at {two_hosts.address} (up to 60 s) ..."
+
     dist = _across(two_hosts, art, dirs)
     try:
-        assert signal.getsignal(signal.SIGTERM) is sigterm  # joined from a thread: Ray installed none
         for a, b in zip(want, dist.generate(prompts, _greedy(32, output_logits=True))):
             assert b.token_ids == a.token_ids and len(b.token_ids) == 32
             np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-5)
