@@ -516,3 +516,55 @@ def test_finish_reasons_are_openai_ones_even_at_the_drain_deadline(artifact, tok
         assert reasons[-1:] == ["abort"], (path, stream, reasons, r.text[-300:])
         seen.update(reasons)
     assert seen <= OPENAI_FINISH | {"abort"} and {"length", "abort"} <= seen, seen
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host,key,url,warned", [
+    ("127.0.0.1", None, "http://127.0.0.1:{port}/v1", None),
+    ("::1", None, "http://[::1]:{port}/v1", None),
+    ("::", None, "http://[::]:{port}/v1", "serving on [::] without an API key"),
+    ("0.0.0.0", None, "http://0.0.0.0:{port}/v1", "serving on 0.0.0.0 without an API key"),
+    ("::", KEY, "http://[::]:{port}/v1", None),
+])
+def test_startup_lines_bracket_ipv6(capsys, host, key, url, warned):
+    """The announced URL is one a client can use: IPv6 literals in brackets, also in the warning."""
+    from graphkiln.serve.server import ServeConfig, announce, bind
+
+    if ":" in host and not _ipv6_loopback():
+        pytest.skip("no IPv6 on this machine")
+    sock = bind(host, 0)
+    try:
+        port = sock.getsockname()[1]
+        announce(ServeConfig(artifact="x", host=host, api_key=key), MODEL, sock, 4)
+    finally:
+        sock.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert url.format(port=port) in lines[-1], lines
+    assert (warned is None and len(lines) == 1) or (len(lines) == 2 and warned in lines[0]), lines
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 on this machine")
+def test_cli_serves_ipv6_loopback_at_the_url_it_prints(artifact):
+    proc = subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "serve", str(artifact), "--host", "::1", "--port",
+                             "0", "--threads", "1", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(50):
+            line = proc.stderr.readline()
+            found = re.search(r"(http://\S+/v1)", line)
+            if found or not line:
+                break
+        assert found and found.group(1).startswith("http://[::1]:"), line
+        assert httpx.get(found.group(1)[: -len("/v1")] + "/health", timeout=10).json() == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.wait(30)

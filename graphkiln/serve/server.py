@@ -83,6 +83,7 @@ def _uvicorn_server_class():
                 await super().shutdown(sockets)
             finally:
                 await drain
+                self.state.lanes.shutdown()
             self.drained = True
 
         @contextlib.contextmanager
@@ -130,12 +131,7 @@ def serve(cfg: ServeConfig) -> int:
     server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key), drain_s=cfg.drain_s,
                          log_level=cfg.log_level)
     scheduler.start()  # sizes the slots, before they are reported
-    host, port = sock.getsockname()[:2]
-    if cfg.api_key is None and not _is_loopback(cfg.host):
-        print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use it "
-              "(set --api-key or GRAPHKILN_API_KEY)", file=sys.stderr)
-    print(f"graphkiln serve: model '{name}' on http://{host}:{port}/v1 ({scheduler.stats().total_slots} slots, "
-          f"queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+    announce(cfg, name, sock, scheduler.stats().total_slots)
     try:
         server.run(sockets=[sock])
     finally:
@@ -144,6 +140,21 @@ def serve(cfg: ServeConfig) -> int:
         sock.close()
     print("graphkiln serve: stopped" + (" (drained)" if server.drained else ""), file=sys.stderr, flush=True)
     return 0
+
+
+def announce(cfg: ServeConfig, name: str, sock: socket.socket, slots: int) -> None:
+    """The startup lines on stderr: a warning when listening beyond loopback without a key, then
+    the base URL (an IPv6 literal in brackets, as URLs write it)."""
+    host, port = sock.getsockname()[:2]
+    if cfg.api_key is None and not _is_loopback(cfg.host):
+        print(f"warning: serving on {_url_host(cfg.host)} without an API key: anyone who can reach it can use it "
+              "(set --api-key or GRAPHKILN_API_KEY)", file=sys.stderr)
+    print(f"graphkiln serve: model '{name}' on http://{_url_host(host)}:{port}/v1 ({slots} slots, "
+          f"queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _is_loopback(host: str) -> bool:
