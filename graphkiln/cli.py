@@ -6,7 +6,11 @@ Every user error surfaces as one ``error: ...`` line on stderr and exit status 2
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,11 +38,16 @@ def _inspect(args) -> int:
     return 0
 
 
+_IDS = re.compile(r"[0-9]+(?:\s*,\s*[0-9]+|\s+[0-9]+)*")
+
+
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise GraphkilnError(f"--prompt-ids '{text}' is not a list of integers: write e.g. '1,2,3'") from None
+    """'1,2,3' or '1 2 3': ASCII digits only (int() would take '١٢' and ' 1', and '1,,2' was
+    read as 1,2), separated by one comma or by spaces."""
+    if not _IDS.fullmatch(text.strip()):
+        raise GraphkilnError(f"--prompt-ids {text!r} is not a list of token ids: write ASCII integers separated by "
+                             "commas or spaces, e.g. '1,2,3'")
+    return [int(t) for t in re.split(r"[\s,]+", text.strip())]
 
 
 def _int_at_least(low: int):
@@ -137,6 +146,12 @@ def _add_ray_flags(p) -> None:
 def _run(args) -> int:
     from graphkiln.runtime import Engine, GenerationConfig
 
+    for i, text in enumerate(args.prompt or []):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # argv bytes that were not UTF-8 arrive as lone surrogates
+            raise GraphkilnError(f"--prompt {i + 1} is not UTF-8 text (byte 0x{ord(text[exc.start]) - 0xDC00:02x} at "
+                                 f"character {exc.start}): convert it, e.g. with iconv -t UTF-8") from None
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
@@ -244,6 +259,70 @@ def _demo(args) -> int:
     from graphkiln.demo.run import run_demo
 
     return run_demo(workdir=Path(args.workdir) if args.workdir else None, keep=args.keep)
+
+
+# Top-level modules graphkiln imports that an extra of pyproject.toml brings, not the base install
+# (which is all `pip install graphkiln` gives): a command needing one names the extra to install.
+_EXTRA_OF = {"torch": "export", "transformers": "export", "safetensors": "export", "onnx": "export",
+             "onnxscript": "export", "triton": "tensorrt", "tensorrt": "tensorrt", "tensorrt_bindings": "tensorrt",
+             "cuda": "cuda", "ray": "distributed"}
+
+
+class StdoutFailed(Exception):
+    """Standard output refused a write (closed pipe, full disk): ``errno`` says why."""
+
+    def __init__(self, errno_: int) -> None:
+        super().__init__(errno_)
+        self.errno = errno_
+
+
+class _Stdout:
+    """sys.stdout whose failed writes raise ``StdoutFailed``, so an OSError of the output is
+    told apart from one of the artifact or checkpoint being read."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise StdoutFailed(exc.errno or errno.EIO) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise StdoutFailed(exc.errno or errno.EIO) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _guarded_stdout():
+    if sys.stdout is None or isinstance(sys.stdout, _Stdout):  # no stdout at all (>&-): print writes nothing
+        yield
+        return
+    real, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = real
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -403,19 +482,34 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup that removes a half-written
     # artifact runs for them too; the previous handlers are back once main returns.
-    with termination_signals_interrupt():
+    with termination_signals_interrupt(), _guarded_stdout():
         try:
             try:
                 args = build_parser().parse_args(argv)
             except SystemExit as exc:  # --help, or a usage error already printed as one line
+                _flush_stdout()
                 return exc.code if isinstance(exc.code, int) else 2
             try:
-                return args.fn(args)
+                code = args.fn(args)
+                _flush_stdout()  # what is still buffered fails here, not at the interpreter's exit
+                return code
             except GraphkilnError as exc:
                 interrupted = interrupt_arrived()  # native code swallowed the interrupt and failed instead
                 if interrupted is not None:
                     raise interrupted from None
                 print(f"error: {exc}", file=sys.stderr)
+                return 2
+            except Exception as exc:
+                # a signal's exception caught by library code and turned into its own (onnxruntime's
+                # import makes an Interrupted in its native module an ImportError) is still the signal
+                interrupted = interrupt_arrived()
+                if interrupted is not None:
+                    raise interrupted from None
+                extra = _EXTRA_OF.get((exc.name or "").partition(".")[0]) if isinstance(exc, ModuleNotFoundError) else None
+                if extra is None:  # a bug, or a module of the base install missing (a broken install)
+                    raise
+                print(f"error: graphkiln {args.command} needs {exc.name}, which graphkiln's '{extra}' extra "
+                      f"installs: pip install 'graphkiln[{extra}]'", file=sys.stderr)
                 return 2
         except Interrupted as exc:
             print(f"error: interrupted ({exc.signal_name})", file=sys.stderr)
@@ -423,6 +517,13 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr)
             return 130
+        except StdoutFailed as exc:
+            _silence_stdout()  # the interpreter's last flush would fail (and print) again
+            if exc.errno == errno.EPIPE:  # the reader left (`| head`): quiet, as Unix tools end on SIGPIPE
+                return 128 + 13
+            print(f"error: cannot write to standard output ({os.strerror(exc.errno)}): free space or "
+                  "redirect the output elsewhere", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -146,6 +146,16 @@ def _reference(reference: str, vision: bool = False):
     return model
 
 
+def _check_same_vocabulary(model, vocab: int, reference: str) -> None:
+    """The reference's logits must have the artifact's width to be compared at all: another
+    checkpoint's head is one error line, not a numpy broadcast failure mid-comparison."""
+    head = model.get_output_embeddings()
+    theirs = head.weight.shape[0] if head is not None else getattr(model.config.get_text_config(), "vocab_size", None)
+    if theirs != vocab:
+        raise GraphkilnError(f"the reference {reference} has a vocabulary of {theirs} tokens, the artifact {vocab}: "
+                             "verify against the checkpoint the artifact was exported from")
+
+
 def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed: int = 0,
                     batch_shapes: tuple[tuple[int, ...], ...] | None = None, atol: float | None = None,
                     min_agreement: float | None = None, engine: Engine | None = None) -> VerifyReport:
@@ -163,6 +173,7 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     vision = engine.manifest.vision
     model = _reference(reference, vision=vision is not None)
     vocab = engine.manifest.model.vocab_size
+    _check_same_vocabulary(model, vocab, reference)
     limit = engine.max_seq_len - steps
     if limit < 2:
         raise GraphkilnError(f"--steps {steps} leaves no room for a prompt under max sequence length {engine.max_seq_len}")

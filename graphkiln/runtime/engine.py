@@ -16,6 +16,7 @@ import numpy as np
 from graphkiln.artifact import check_artifact, is_sha256
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
+from graphkiln.threads import check_threads
 from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.decoder import numpy_dtype
 from graphkiln.runtime.prompt_layout import PromptLayout, needed_roles, pack
@@ -76,8 +77,8 @@ class Engine:
                     f"artifact uses custom op {op.domain}.{op.name} v{op.version}, which this graphkiln does not know: "
                     "upgrade graphkiln or re-export the artifact with this version"
                 )
-        if threads is not None and not (_is_int(threads) and threads >= 1):
-            raise GraphkilnError(f"threads must be an integer >= 1, got {threads!r}: omit it to use every core")
+        if threads is not None and distributed is None:  # Ray actors check against their own hosts' CPUs
+            check_threads(threads)
         self.backend, self.device = backend, device
         self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target, distributed,
                                                manifest_digest)
@@ -112,6 +113,8 @@ class Engine:
         runs a pipeline-staged artifact with each stage in its own Ray actor (``runtime.distributed``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
+        if threads is not None and distributed is None:  # before the files are hashed
+            check_threads(threads)
         if distributed is not None:  # refused before any file is read (Ray missing: the extra to install)
             from graphkiln.runtime.distributed import check_distributed, import_ray
 
@@ -138,6 +141,8 @@ class Engine:
         return ids
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray, memoryview)):  # iterable as ints: would be taken as token ids
+            raise GraphkilnError(f"a prompt is text (str) or token ids, got {type(prompt).__name__}: decode bytes to str")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GraphkilnError("this artifact has no tokenizer.json: pass token ids (--prompt-ids) instead of text")

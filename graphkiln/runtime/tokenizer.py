@@ -7,6 +7,19 @@ from pathlib import Path
 from graphkiln.errors import GraphkilnError
 
 
+def check_text(text, what: str = "prompt") -> None:
+    """Refuse what the tokenizer cannot take as one GraphkilnError line: anything but a str, and
+    a str holding lone surrogates (how Python carries bytes that were not UTF-8, e.g. a
+    ``--prompt`` argument in Latin-1, or a JSON ``\\udce9`` escape)."""
+    if not isinstance(text, str):
+        raise GraphkilnError(f"{what} must be text (str), got {type(text).__name__}: decode bytes to str first")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GraphkilnError(f"{what} is not valid Unicode text: character {exc.start} is a lone surrogate "
+                             f"({text[exc.start]!r}; bytes that were not UTF-8 become these): pass UTF-8 text") from None
+
+
 class Tokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -17,6 +30,7 @@ class Tokenizer:
             raise GraphkilnError(f"cannot read {path.name} ({exc}): re-export the artifact") from None
 
     def encode(self, text: str) -> list[int]:
+        check_text(text)
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
