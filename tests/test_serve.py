@@ -439,6 +439,8 @@ def test_sigterm_drains_in_flight_requests(artifact, tok_case):
     (["--max-queue", "0"], ">= 1"),
     (["--api-key", " "], "--api-key is empty"),
     (["--drain-timeout", "nan"], "finite"),
+    (["--max-batch", "1000000", "--port", "0", "--threads", "1"], "--max-batch/max_batch 1000000 needs --step-tokens"),
+    (["--max-batch", "300", "--step-tokens", "300", "--port", "0", "--threads", "1"], "--step-tokens 301 or more"),
 ])
 def test_cli_bad_flags_are_one_line(capsys, artifact, argv, needle):
     code, out, err = run_cli(capsys, "serve", artifact, *argv)
@@ -568,3 +570,43 @@ def test_cli_serves_ipv6_loopback_at_the_url_it_prints(artifact):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(max_queue=0), "--max-queue/max_queue"),
+    (dict(max_queue=2.5), "--max-queue/max_queue"),
+    (dict(max_queue=True), "--max-queue/max_queue"),
+    (dict(max_batch=0), "--max-batch/max_batch"),
+    (dict(max_batch="8"), "--max-batch/max_batch"),
+    (dict(max_batch=False), "--max-batch/max_batch"),
+    (dict(step_tokens=1), "--step-tokens/step_tokens"),
+    (dict(step_tokens=64.0), "--step-tokens/step_tokens"),
+    (dict(step_tokens=None), "--step-tokens/step_tokens"),
+    (dict(max_batch=1000000), "--max-batch/max_batch 1000000 needs --step-tokens/step_tokens above it"),
+    (dict(max_batch=8, step_tokens=8), "--step-tokens 9 or more"),
+])
+def test_scheduler_refusals_name_the_flag_and_the_argument(reference, kwargs, names):
+    """Every argument refusal is one line naming what the caller set, as the CLI flag and as the
+    Python argument, with the value given."""
+    from graphkiln.errors import GraphkilnError
+    from graphkiln.runtime.scheduler import Scheduler
+
+    with pytest.raises(GraphkilnError) as err:
+        Scheduler(reference, **kwargs)
+    msg = str(err.value)
+    assert "\n" not in msg and names in msg and repr(next(iter(kwargs.values())))[:8] in msg, msg
+    assert reference.generate([5, 6], GenerationConfig(max_new_tokens=1)).__len__() == 1  # the engine stays free
+
+
+def test_scheduler_max_batch_that_does_not_fit_names_it(reference):
+    from graphkiln.errors import GraphkilnError
+    from graphkiln.runtime.scheduler import Scheduler
+
+    sched = Scheduler(reference, max_batch=10**12, step_tokens=10**12 + 1)
+    try:
+        with pytest.raises(GraphkilnError) as err:
+            sched.start()
+    finally:
+        sched.shutdown(0)
+    msg = str(err.value)
+    assert "\n" not in msg and f"--max-batch/max_batch {10**12} does not fit in memory" in msg, msg

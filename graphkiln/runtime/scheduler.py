@@ -571,14 +571,20 @@ class Scheduler:
 
     def __init__(self, engine: "Engine", *, max_queue: int = 64, max_batch: int | None = None,
                  step_tokens: int = 256) -> None:
-        """Refuses (GraphkilnError) bad limits and an engine already in use."""
+        """Refuses (GraphkilnError) bad limits and an engine already in use. Each refusal names the
+        limit both as ``graphkiln serve`` spells it and as this constructor does (--max-batch/max_batch)."""
         if not (_is_int(max_queue) and max_queue >= 1):
-            raise GraphkilnError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+            raise GraphkilnError(f"--max-queue/max_queue must be an integer >= 1, got {max_queue!r}")
         if max_batch is not None and not (_is_int(max_batch) and max_batch >= 1):
-            raise GraphkilnError(f"max_batch must be an integer >= 1, got {max_batch!r}: omit it for the default")
-        if not (_is_int(step_tokens) and step_tokens > (max_batch or 1)):
-            raise GraphkilnError(f"step_tokens must be an integer > max_batch ({max_batch or 1}), got {step_tokens!r}: "
-                                 "each step spends one token per decoding request and the rest on prefill")
+            raise GraphkilnError(f"--max-batch/max_batch must be an integer >= 1, got {max_batch!r}: omit it for the "
+                                 "default")
+        if not (_is_int(step_tokens) and step_tokens >= 2):
+            raise GraphkilnError(f"--step-tokens/step_tokens must be an integer >= 2, got {step_tokens!r}")
+        if max_batch is not None and step_tokens <= max_batch:
+            # each step spends one token per decoding request, so a full batch needs one more for prefill
+            raise GraphkilnError(f"--max-batch/max_batch {max_batch} needs --step-tokens/step_tokens above it (each step "
+                                 f"spends one token per generating request and the rest on prefill), got "
+                                 f"{step_tokens}: pass --step-tokens {max_batch + 1} or more, or a smaller --max-batch")
         self.engine = engine
         self.max_queue = max_queue
         self.max_batch = max_batch
@@ -609,7 +615,11 @@ class Scheduler:
         pool = self.engine.pool
         capacity = self.engine.max_seq_len
         if self.max_batch is not None:
-            pool.reserve(self.max_batch, capacity)
+            try:
+                pool.reserve(self.max_batch, capacity)
+            except GraphkilnError as exc:  # the pool speaks of "the batch size": name the limit that was set
+                raise GraphkilnError(f"--max-batch/max_batch {self.max_batch} does not fit in memory ({exc}): pass a "
+                                     "smaller --max-batch, or omit it to fit the default") from None
         else:
             slots = min(16, self.step_tokens - 1)  # each decoding request spends a token of every step
             while True:
