@@ -33,9 +33,8 @@ as given, else at least one per stage; no dashboard; Ray's logs kept out of the 
 ``RayOptions.address`` it joins an existing cluster, where each stage's directory
 (``stage_dirs``) is a path on the node that runs it, within ``connect_timeout_s`` or with one
 ``GraphkilnError`` line (``join_cluster``: Ray alone would retry an unreachable address for
-minutes). Lifecycle: the actors live as long as the
-driver (``close``, or garbage collection of the Engine, ends them); a cluster started here is
-shut down with the last driver that uses it.
+minutes). Lifecycle: the actors live as long as the driver (``close``, or garbage collection of
+the Engine, ends them); a cluster started here is shut down with the last driver that uses it.
 """
 
 from __future__ import annotations
