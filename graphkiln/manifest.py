@@ -711,6 +711,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> "Manifest":
         """Parse and validate a manifest; any problem is one GraphkilnError line naming the field."""
+        if text[:3] == b"\xef\xbb\xbf" or text[:1] == "\ufeff":  # json.loads would take it, pydantic would not
+            raise GraphkilnError(f"{where} starts with a byte-order mark, which JSON does not allow and graphkiln "
+                                 "never writes (an editor added it): save it as UTF-8 without BOM, or re-export the "
+                                 "artifact")
         try:
             d = json.loads(text)
         except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nesting too deep
@@ -854,6 +858,8 @@ def _summarise(exc: ValidationError, where: str) -> str:
     errors = [e for e, loc in zip(errors, locs) if not (
         e["type"] == "too_short" and any(len(other) > len(loc) and other[: len(loc)] == loc for other in locs))]
     e = errors[0]
+    if e["type"] == "json_invalid":  # the whole text, not a field
+        return f"{where} is not valid JSON ({_one_line(e['msg'])}): re-export the artifact"
     loc, problem = tuple(e["loc"]), e["msg"]
     cause = (e.get("ctx") or {}).get("error")
     if isinstance(cause, _FieldError):

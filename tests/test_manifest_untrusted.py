@@ -692,3 +692,19 @@ def test_run_expect_digest(art, capsys):
 def test_a_malformed_expected_digest_is_refused(bad, art):
     with pytest.raises(GraphkilnError, match="not a sha256"):
         Engine.load(art, expected_digest=bad)
+
+
+# -- the text itself: not JSON, or JSON with an editor's byte-order mark ------------------------
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda b: b"\xef\xbb\xbf" + b, "byte-order mark"),
+    (lambda b: "\ufeff".encode("utf-16-le") + b.decode().encode("utf-16-le"), "not valid JSON"),
+    (lambda b: b[: len(b) // 2], "not valid JSON"),
+    (lambda b: b + b"}", "not valid JSON"),
+    (lambda b: b"\xff" + b, "not valid JSON"),
+], ids=["utf8-bom", "utf16", "truncated", "trailing", "not-utf8"])
+def test_a_manifest_that_is_not_plain_json_is_one_plain_line(art, capsys, edit, needle):
+    path = art / MANIFEST_NAME
+    path.write_bytes(edit(path.read_bytes()))
+    msg = refused_everywhere(art, capsys, needle)
+    assert msg.startswith(f"{path} ") and "the manifest invalid" not in msg, msg

@@ -412,7 +412,7 @@ def _catch(fn):
     (("--logprobs", "-1"), ("--logprobs", ">= 0")),
     (("--threads", "0"), ("--threads", ">= 1")),
     (("--threads", "-4"), ("--threads", ">= 1")),
-    (("--prompt-ids", "-1,2"), ("-1", "vocabulary")),
+    (("--prompt-ids", "-1,2"), ("-1", "token ids")),
     (("--prompt-ids", str(2**63 + 5)), (str(2**63 + 5), "vocabulary")),
     (("--prompt-ids", "99999999999999999999999999999"), ("vocabulary",)),
     (("--prompt-ids", "1.5,2"), ("--prompt-ids", "integers")),
