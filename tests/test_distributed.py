@@ -374,6 +374,8 @@ def test_an_unreachable_ray_address_through_the_api_is_one_line(staged):
     for bad in (0, -1.0, float("nan"), float("inf"), True):  # refused before Ray is imported or dialled
         with pytest.raises(GraphkilnError, match=r"^RayOptions.connect_timeout_s must be a finite number"):
             Engine.load(art, distributed=RayOptions(address=address, connect_timeout_s=bad))
+        with pytest.raises(GraphkilnError, match=r"^RayOptions.start_timeout_s must be a finite number"):
+            Engine.load(art, distributed=RayOptions(address=address, start_timeout_s=bad))
 
 
 @needs_ray

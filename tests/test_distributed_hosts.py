@@ -248,11 +248,11 @@ def _greedy(n: int, **kw) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=n, stop_token_ids=(), **kw)
 
 
-def _across(hosts: TwoHosts, art: Path, dirs) -> Engine:
+def _across(hosts: TwoHosts, art: Path, dirs, **options) -> Engine:
     from graphkiln.runtime.distributed import RayOptions
 
     engine = Engine.load(art, threads=1, distributed=RayOptions(
-        address=hosts.address, stage_dirs=dirs, stage_nodes=(hosts.head_ip, hosts.worker_ip)))
+        address=hosts.address, stage_dirs=dirs, stage_nodes=(hosts.head_ip, hosts.worker_ip), **options))
     infos = engine.decoder.pipeline.call("info")
     assert [i["node_id"] for i in infos] == [hosts.head_node, hosts.worker_node]
     # stage 1's process really is on the other network stack
@@ -301,6 +301,31 @@ def test_stages_on_two_hosts_match_the_single_graph(two_hosts, two_stage):
               + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()))
     finally:
         dist.decoder.close()
+
+
+def test_stage_actors_no_node_has_room_for_are_one_line_within_the_start_timeout(two_hosts, two_stage):
+    """Each node has one CPU and an open engine's stage actors hold both: a second engine's
+    actors cannot be placed (Ray would keep them pending forever). They are ended with the
+    error: once the first engine closes, a new one gets the CPUs."""
+    from graphkiln.errors import GraphkilnError
+
+    case, art, _, dirs = two_stage
+    first = _across(two_hosts, art, dirs)
+    try:
+        start = time.monotonic()
+        with pytest.raises(GraphkilnError, match=r"^pipeline stage 0, stage 1 did not start within 3 s: its Ray "
+                                                 r"actor reserves cpus_per_stage CPUs") as info:
+            _across(two_hosts, art, dirs, start_timeout_s=3)
+        assert "\n" not in str(info.value) and time.monotonic() - start < 3 + 10
+    finally:
+        first.decoder.close()
+    again = _across(two_hosts, art, dirs, start_timeout_s=60)  # the refused actors hold nothing
+    try:
+        prompt = case.prompts([5], salt=15)
+        assert again.generate(prompt, _greedy(8))[0].token_ids == Engine.load(case.artifact, threads=1).generate(
+            prompt, _greedy(8))[0].token_ids
+    finally:
+        again.decoder.close()
 
 
 def test_a_killed_stage_process_on_the_worker_host_fails_the_requests_in_flight(two_hosts, two_stage):

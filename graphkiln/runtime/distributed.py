@@ -59,6 +59,7 @@ from graphkiln.runtime.state import PackedSlots
 INSTALL_HINT = "pip install 'graphkiln[distributed]'"
 RESTART_WAIT_S = 120.0  # how long a restarting stage actor may take to answer before it counts as gone
 CONNECT_TIMEOUT_S = 30.0  # RayOptions.connect_timeout_s / --ray-timeout: joining a cluster at an address
+START_TIMEOUT_S = 600.0  # RayOptions.start_timeout_s: placing the stage actors and opening their files
 DISTRIBUTED = ("ray",)
 # ray.init's arguments besides where: no dashboard, Ray's logs kept out of the terminal
 INIT_KWARGS = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
@@ -89,7 +90,9 @@ class RayOptions:
     ``cpus_per_stage``: the CPUs Ray reserves for each actor (placement only; its onnxruntime
     threads are the Engine's ``threads``). ``connect_timeout_s``: how long joining the cluster at
     ``address`` may take before it fails with one line (Ray itself would keep retrying an
-    unreachable address for minutes)."""
+    unreachable address for minutes). ``start_timeout_s``: how long the stage actors may take to
+    be placed and to open (hash) their files before loading fails with one line (None: no limit;
+    an actor no node has a free CPU for would otherwise wait for one forever)."""
 
     address: str | None = None
     num_cpus: int | None = None
@@ -98,6 +101,7 @@ class RayOptions:
     cpus_per_stage: float = 1.0
     stage_nodes: tuple[str, ...] | None = None
     connect_timeout_s: float = CONNECT_TIMEOUT_S
+    start_timeout_s: float | None = START_TIMEOUT_S
 
 
 def import_ray():
@@ -272,11 +276,22 @@ class _Pipeline:
     """The stage actors and what the driver knows of them: each one's incarnation, the pool size
     every stage must have, and the stages restarted since the rows now live were claimed."""
 
-    def __init__(self, ray, actors: list, layers: list[tuple[int, int]], owns_cluster: bool) -> None:
+    def __init__(self, ray, actors: list, layers: list[tuple[int, int]], owns_cluster: bool,
+                 start_timeout_s: float | None = None) -> None:
         self.ray, self.actors, self.layers = ray, actors, layers
         self.mirror = _Mirror()
         self.capacity = 0
-        self.infos = ray.get([a.info.remote() for a in actors])
+        refs = [a.info.remote() for a in actors]
+        # an actor Ray cannot place yet (no free CPU on its node) is pending, not failed: Ray
+        # would wait for the resources forever
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=start_timeout_s)
+        if pending:
+            waiting = ", ".join(f"stage {refs.index(r)}" for r in pending)
+            raise GraphkilnError(f"pipeline {waiting} did not start within {start_timeout_s:g} s: its Ray actor "
+                                 "reserves cpus_per_stage CPUs on its node, and none may be free there (other "
+                                 "drivers' stage actors hold them; `ray status` shows them), or its files take "
+                                 "longer to read (RayOptions.start_timeout_s)")
+        self.infos = ray.get(refs)
         self.stale: set[int] = set()  # restarted stages: they lack the state of the rows live now
         self.gone: str | None = None  # why the pipeline can no longer run (a stage is lost)
         self.lost: set[int] = set()  # stages gone for good (restarts exhausted, pinned node gone)
@@ -689,9 +704,13 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
              target: str | None = None, options: RayOptions | None = None) -> tuple[RayStagedDecoder, RayStagedPool]:
     """(runner, pool) for a staged artifact with one Ray actor per stage."""
     options = options or RayOptions()
-    timeout = options.connect_timeout_s
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-        raise GraphkilnError(f"RayOptions.connect_timeout_s must be a finite number of seconds > 0, got {timeout!r}")
+    for name in ("connect_timeout_s", "start_timeout_s"):
+        timeout = getattr(options, name)
+        if name == "start_timeout_s" and timeout is None:
+            continue
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
+                                             and timeout > 0):
+            raise GraphkilnError(f"RayOptions.{name} must be a finite number of seconds > 0, got {timeout!r}")
     if not manifest.stages:
         raise GraphkilnError("--distributed ray runs a pipeline-staged artifact, and this one has a single graph: "
                              "re-export with --stages N or --stage-layers, or run it without --distributed")
@@ -742,7 +761,8 @@ def open_ray(artifact_dir: Path, manifest: Manifest, manifest_digest: str | None
             where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[k], soft=False)
         actors.append(actor_class.options(**placement, **where).remote(dirs[k], k, manifest_digest, threads, target))
     try:
-        pipeline = _Pipeline(ray, actors, [st.layers for st in manifest.stages], owns_cluster)
+        pipeline = _Pipeline(ray, actors, [st.layers for st in manifest.stages], owns_cluster,
+                             options.start_timeout_s)
     except ray.exceptions.RayActorError as exc:
         _end(ray, actors, owns_cluster)
         # Ray keeps only the text of a failed __init__: its own one-line error is the last line
