@@ -29,7 +29,7 @@ SPECIALS = ["<unk>", "<s>", "</s>"]
 
 def _trained(*, normalizer=None, pre_tokenizer="bytelevel", model="bpe", byte_fallback=False, fuse_unk=False,
              extra_specials=()):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from graphkiln.demo.run import CORPUS
 
@@ -179,6 +179,9 @@ def test_big_bodies_do_not_delay_a_small_request(request, bounded):
     with serving(art, big_lane_bytes=5 << 20) as s:
         small = {"model": MODEL, "prompt": "hello world", "max_tokens": 8, "temperature": 0}
         assert s.post("/v1/completions", small).status_code == 200  # warm
+        t0 = time.perf_counter()
+        assert s.post("/v1/completions", small).status_code == 200
+        alone = time.perf_counter() - t0  # the same request without the race, on this machine's load now
         base, peak, sampling = _rss_mib(), [0.0], threading.Event()
 
         def sample():
@@ -202,7 +205,8 @@ def test_big_bodies_do_not_delay_a_small_request(request, bounded):
         sampling.set()
         sampler.join()
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert small_s <= 1.0, f"the small request took {small_s:.2f} s behind the big bodies"
+        # 1 s, unless other work slows the machine: then 3x the request alone (before the lanes: ~100x)
+        assert small_s <= max(1.0, 3 * alone), f"the small request took {small_s:.2f} s ({alone:.2f} s alone)"
         for resp in responses:
             err = resp.json()["error"]
             assert resp.status_code in (400, 429), resp.text

@@ -582,8 +582,8 @@ class Scheduler:
             raise GraphkilnError(f"--step-tokens/step_tokens must be an integer >= 2, got {step_tokens!r}")
         if max_batch is not None and step_tokens <= max_batch:
             # each step spends one token per decoding request, so a full batch needs one more for prefill
-            raise GraphkilnError(f"--max-batch/max_batch {max_batch} needs --step-tokens/step_tokens above it (each step "
-                                 f"spends one token per generating request and the rest on prefill), got "
+            raise GraphkilnError(f"--max-batch/max_batch {max_batch} needs --step-tokens/step_tokens above it (each "
+                                 "step spends one token per generating request and the rest on prefill), got "
                                  f"{step_tokens}: pass --step-tokens {max_batch + 1} or more, or a smaller --max-batch")
         self.engine = engine
         self.max_queue = max_queue

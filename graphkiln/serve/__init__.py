@@ -2,6 +2,8 @@
 
     app.py      routes, error bodies, streaming; ``create_app(scheduler, engine, AppOptions)``
     schemas.py  request/response models in OpenAI's shapes (strict: requests are untrusted)
+    admission.py  what a request may cost before its prompt is tokenized: unseen refusal, lanes
+    routes.py   the OpenAPI document (GET /openapi.json): request bodies, responses, security
     chat.py     the artifact's chat template, rendered in jinja2's sandbox
     metrics.py  Prometheus metrics, one registry per app
     server.py   socket, uvicorn, graceful drain; ``serve(ServeConfig)`` is the CLI's entry

@@ -2,12 +2,13 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
 events or not), ``GET /v1/models``, ``GET /health`` (never needs the API key; 503 while draining),
-``GET /metrics`` (Prometheus text). Every error is OpenAI's body
+``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (below). Every error is OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` with one line of message: 400 for anything
 the request got wrong (malformed JSON, unknown field or model, ill-typed or out-of-range value,
-prompt too long), 401 without the API key, 413 for a body over ``max_body_bytes``, 429 with
-``Retry-After`` when the scheduler's queue is full, 503 while shutting down, 500 when generation
-itself failed (that request only: the others keep running).
+prompt too long: code ``context_length_exceeded``), 401 without the API key, 413 for a body over
+``max_body_bytes``, 429 with ``Retry-After`` when the scheduler's queue is full (``queue_full``) or
+the big-body lane is (``server_busy``), 503 while shutting down, 500 when generation itself failed
+(that request only: the others keep running).
 
 Lifecycle of a generation request: read the body (at most ``max_body_bytes``) -> in a worker thread
 of its lane (``graphkiln.serve.admission``: big bodies never delay small ones, and a full big lane

@@ -42,8 +42,8 @@ def generation_route(body: type, chunk: type) -> dict[str, Any]:
 
 RESPONSES = {
     "models": {200: {"model": S.ModelList, "description": "the served model"}, **AUTH},
-    "metrics": {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                **AUTH},
+    "metrics": {200: {"description": "Prometheus text format",
+                      "content": {"text/plain": {"schema": {"type": "string"}}}}, **AUTH},
     "health": {200: {"model": S.Health, "description": "serving"},
                503: {"model": S.Health, "description": "shutting down"}},
 }
@@ -75,8 +75,8 @@ def openapi_document(app, model_name: str, api_key: bool) -> dict[str, Any]:
         schemas.update(schema.pop("$defs", {}))
         schema["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
         schemas[model.__name__] = schema
-        doc["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        doc["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                     "content": {"application/json": {"schema": _ref(model)}}}
     for path, ops in doc["paths"].items():
         for op in ops.values():
             if not api_key:
