@@ -29,9 +29,16 @@ class Tokenizer:
         except Exception as exc:
             raise GraphkilnError(f"cannot read {path.name} ({exc}): re-export the artifact") from None
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` itself, for what reads its pipeline (the server's prompt bound)."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_text(text)
-        return self._tok.encode(text, add_special_tokens=True).ids
+        # encode_batch releases the GIL while it works; encode holds it (7 s for 7 MB of text,
+        # during which every other thread of the process stalls)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -97,13 +97,8 @@ class ServerState:
         self.scheduler, self.engine, self.options = scheduler, engine, options
         self.metrics = ServerMetrics(scheduler.stats)
         files = tuple(engine.manifest.tokenizer_files)
-        # the routes' own tokenizers.Tokenizer (the engine's file): encode_batch releases the GIL
-        self.tokenizer = None
-        if engine.tokenizer is not None and "tokenizer.json" in files:
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(str(engine.artifact_dir / "tokenizer.json"))
-        self.chars_per_token = chars_per_token_bound(self.tokenizer) if self.tokenizer is not None else None
+        self.tokenizer = engine.tokenizer  # encodes with the GIL released (runtime.tokenizer)
+        self.chars_per_token = chars_per_token_bound(self.tokenizer.backend) if self.tokenizer is not None else None
         self.chat = ChatTemplate.load(engine.artifact_dir, files, tokenizer=self.tokenizer)
         self.lanes = Lanes(options.big_lane_bytes)
         self.created = int(time.time())
@@ -125,8 +120,7 @@ class ServerState:
                            code="context_length_exceeded")
 
     def encode(self, text: str, *, special: bool) -> list[int]:
-        # no lone surrogates here to refuse: pydantic's JSON parser already refuses their escapes
-        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+        return self.tokenizer.encode(text, add_special_tokens=special)
 
 
 def create_app(scheduler, engine, options: AppOptions) -> FastAPI:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -50,11 +51,11 @@ class ChatTemplate:
     problem: str | None
     bos_token: str = ""
     eos_token: str = ""
-    tokenizer: Any | None = None  # tokenizers.Tokenizer
+    tokenizer: Tokenizer | None = None
 
     @classmethod
     def load(cls, artifact_dir: Path, tokenizer_files: tuple[str, ...], tokenizer: Any | None = None) -> "ChatTemplate":
-        """``tokenizer``: the artifact's tokenizer.json already loaded (else loaded here)."""
+        """``tokenizer``: the artifact's tokenizer.json already loaded (the Engine's; else loaded here)."""
         config: dict = {}
         if CONFIG_FILE in tokenizer_files:
             try:
@@ -83,9 +84,7 @@ class ChatTemplate:
         if source is None and problem is None:
             problem = f"it has neither {TEMPLATE_FILE} nor a chat_template in {CONFIG_FILE}"
         if tokenizer is None and "tokenizer.json" in tokenizer_files:
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(artifact_dir / "tokenizer.json"))
+            tokenizer = Tokenizer(artifact_dir / "tokenizer.json")
         if tokenizer is None and problem is None:
             problem = "it has no tokenizer.json to encode the rendered prompt"
         template = None
@@ -112,9 +111,7 @@ class ChatTemplate:
 
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt's token ids; the template already wrote any BOS, so none is added."""
-        text = self.render(messages)
-        # encode_batch releases the GIL while it works (encode holds it: other threads would stall)
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
 
 
 def _one_line(exc: BaseException) -> str:
