@@ -135,12 +135,20 @@ def test_staged_export_and_chained_run(staged, name, how, target, quant):
     # -- chained run == the single-graph artifact ------------------------------------------
     single, chained = Engine.load(single_art), Engine.load(art)
     prompts = case.prompts([7, 3, 12], salt=5)
+    # int4's MatMulNBits quantizes its activations to int8 (accuracy_level 4), a step function: a
+    # last-bit difference of the hidden states at a stage seam (the single and the staged
+    # graphs are fused differently around the seam) can flip one activation's rounding. Seen on an
+    # AVX-512 host: one decode step of 32 off by 0.02, tokens equal (on AVX2: within 1.4e-6).
+    atol = 0.05 if quant else 1e-5
     for a, b in zip(single.prompt_logits(prompts), chained.prompt_logits(prompts)):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b, a, rtol=0, atol=atol)
     config = GenerationConfig(max_new_tokens=32, stop_token_ids=(), output_logits=True)
     for a, b in zip(single.generate(prompts, config), chained.generate(prompts, config)):
         assert b.token_ids == a.token_ids and len(a.token_ids) == 32
-        np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=atol)
+        if quant:  # such flips are rare: nearly every step still agrees to float rounding
+            close = np.abs(np.asarray(b.logits) - np.asarray(a.logits)).max(axis=-1) <= 1e-5
+            assert close.mean() >= 0.9, close
     greedy = GenerationConfig(max_new_tokens=32, stop_token_ids=())  # the folded next_token path
     assert [r.token_ids for r in chained.generate(prompts, greedy)] == [r.token_ids for r in single.generate(prompts, greedy)]
     # each stage's pool holds only its own layers' state
