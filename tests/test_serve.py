@@ -610,3 +610,54 @@ def test_scheduler_max_batch_that_does_not_fit_names_it(reference):
         sched.shutdown(0)
     msg = str(err.value)
     assert "\n" not in msg and f"--max-batch/max_batch {10**12} does not fit in memory" in msg, msg
+
+
+# -- tokenizer routes (vLLM's; lm-evaluation-harness's remote tokenizer) -----------------------
+
+TOKENIZE_TEXTS = ["The capital of France is", "", "  two  spaces\n\ttab", "caf\u00e9 \u4e2d\u6587 \U0001f600"]
+
+
+def test_tokenizer_info_has_what_a_remote_tokenizer_reads(srv, reference, artifact):
+    """lm-eval's RemoteTokenizer takes eos/bos/pad tokens and the chat template from here."""
+    info = httpx.get(srv.url + "/tokenizer_info", timeout=30).json()
+    gen, tok = reference.manifest.generation, reference.tokenizer
+    assert info == {"bos_token": tok.token_text(gen.bos_token_id), "eos_token": tok.token_text(gen.eos_token_ids[0]),
+                    "pad_token": None if gen.pad_token_id is None else tok.token_text(gen.pad_token_id),
+                    "chat_template": (artifact / "chat_template.jinja").read_text(),
+                    "model_max_length": reference.max_seq_len, "vocab_size": reference.manifest.model.vocab_size}
+    assert info["eos_token"] and info["bos_token"]
+
+
+@pytest.mark.parametrize("special", [True, False, None])
+def test_tokenize_and_detokenize_agree_with_the_engine(srv, reference, special):
+    tok = reference.tokenizer
+    for text in TOKENIZE_TEXTS:
+        body = {"prompt": text} | ({} if special is None else {"add_special_tokens": special})
+        if special is not None:
+            body["model"] = MODEL
+        r = srv.post("/tokenize", body)
+        assert r.status_code == 200, r.text
+        want = tok.encode(text, add_special_tokens=special is not False)
+        assert r.json() == {"count": len(want), "max_model_len": reference.max_seq_len, "tokens": want}
+        back = srv.post("/detokenize", {"tokens": want})
+        assert back.status_code == 200 and back.json() == {"prompt": tok.decode(want)}, back.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": ["a"]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),
+    ("/detokenize", {"tokens": 3}, "tokens"),
+    ("/detokenize", {"tokens": [1.0]}, "tokens[0]"),
+])
+def test_tokenizer_routes_refuse_bad_bodies_naming_the_field(srv, path, body, param):
+    r = srv.post(path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"], error

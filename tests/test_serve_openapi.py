@@ -17,7 +17,8 @@ from test_serve import KEY, MODEL, artifact, serving  # noqa: E402,F401  (artifa
 
 # per operation: a generation route's examples are a few ms to ~1 s each (max_tokens is bounded
 # by the artifact's 128 positions), the whole test well under a minute on two cores
-EXAMPLES = {"POST /v1/completions": 40, "POST /v1/chat/completions": 40}
+EXAMPLES = {"POST /v1/completions": 40, "POST /v1/chat/completions": 40, "POST /tokenize": 20, "POST /detokenize": 20,
+            "GET /tokenizer_info": 3}
 DEFAULT_EXAMPLES = 5
 
 
@@ -39,6 +40,10 @@ def test_document_describes_the_bodies_and_needs_the_key(keyed):
         assert op["security"] == [{"bearer": []}]
         schema = doc["components"]["schemas"][body]
         assert schema["additionalProperties"] is False and schema["properties"]["model"]["enum"] == [MODEL]
+    for path, body in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
+        assert {"200", "400", "401"} <= set(op["responses"]) and op["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     # the request schemas are the ones the routes parse: one they refuse is refused by the route

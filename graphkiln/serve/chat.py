@@ -52,6 +52,7 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
     tokenizer: Tokenizer | None = None
+    source: str | None = None  # the template's text, as GET /tokenizer_info hands it to clients
 
     @classmethod
     def load(cls, artifact_dir: Path, tokenizer_files: tuple[str, ...], tokenizer: Any | None = None) -> "ChatTemplate":
@@ -93,7 +94,8 @@ class ChatTemplate:
                 template = _environment().from_string(source)
             except Exception as exc:  # jinja2.TemplateSyntaxError and anything else a hostile template triggers
                 problem = f"its chat template does not compile ({type(exc).__name__}: {_one_line(exc)})"
-        return cls(template, problem, _special(config.get("bos_token")), _special(config.get("eos_token")), tokenizer)
+        return cls(template, problem, _special(config.get("bos_token")), _special(config.get("eos_token")), tokenizer,
+                   source if template is not None else None)
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened."""

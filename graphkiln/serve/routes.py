@@ -40,7 +40,22 @@ def generation_route(body: type, chunk: type) -> dict[str, Any]:
     })
 
 
+def tokenizer_route(body: type) -> dict[str, Any]:
+    """FastAPI route arguments for /tokenize and /detokenize (whole JSON responses)."""
+    return dict(responses={
+        200: {"model": body, "description": body.__doc__ or body.__name__},
+        400: {**_ERROR, "description": "malformed JSON, unknown field or model, ill-typed value, token id outside "
+                                       "the vocabulary, or an artifact without a tokenizer"},
+        **AUTH,
+        413: {**_ERROR, "description": "body over the server's size limit"},
+        429: {**_ERROR, "headers": _RETRY, "description": "too many large bodies being prepared"},
+        503: {**_ERROR, "description": "shutting down"},
+    })
+
+
 RESPONSES = {
+    "tokenizer_info": {200: {"model": S.TokenizerInfo, "description": "special tokens, chat template, limits"},
+                       **AUTH},
     "models": {200: {"model": S.ModelList, "description": "the served model"}, **AUTH},
     "metrics": {200: {"description": "Prometheus text format",
                       "content": {"text/plain": {"schema": {"type": "string"}}}}, **AUTH},
@@ -48,7 +63,8 @@ RESPONSES = {
                503: {"model": S.Health, "description": "shutting down"}},
 }
 
-_BODIES = {"/v1/completions": S.CompletionRequest, "/v1/chat/completions": S.ChatCompletionRequest}
+_BODIES = {"/v1/completions": S.CompletionRequest, "/v1/chat/completions": S.ChatCompletionRequest,
+           "/tokenize": S.TokenizeRequest, "/detokenize": S.DetokenizeRequest}
 _CHUNKS = (S.Completion, S.ChatCompletionChunk, S.ErrorBody)  # referenced by the streams' events
 
 
@@ -73,7 +89,10 @@ def openapi_document(app, model_name: str, api_key: bool) -> dict[str, Any]:
     for path, model in _BODIES.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
+        optional = "model" not in schema.get("required", ())  # the tokenizer routes: model may be left out
         schema["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+        if optional:
+            schema["properties"]["model"] = {"anyOf": [schema["properties"]["model"], {"type": "null"}]}
         schemas[model.__name__] = schema
         doc["paths"][path]["post"]["requestBody"] = {"required": True,
                                                      "content": {"application/json": {"schema": _ref(model)}}}

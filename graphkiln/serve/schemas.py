@@ -264,6 +264,40 @@ class Health(BaseModel):
     status: Literal["ok", "draining"]
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's route, which lm-evaluation-harness's remote tokenizer calls)."""
+    model_config = _REQUEST
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info``: the special tokens and chat template a client-side tokenizer needs."""
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
