@@ -485,9 +485,9 @@ class Engine:
         cfg, params = self._resolve(config)
         for i, (ids, loaded, image_positions) in enumerate(self._prepare(prompts, images, single)):
             reqs.append(make_request(self, i, ids, loaded, image_positions, cfg, params))
-        active = [r for r in reqs if r.budget > 0]
+        active = [r for r in reqs if r.runs]
         for r in reqs:
-            if r.budget == 0:
+            if not r.runs:
                 r.finish_reason = "length"
         if not active:
             return

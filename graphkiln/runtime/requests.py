@@ -36,11 +36,16 @@ class GenerationConfig:
     # --return-hidden-states): "last" one row per generated token (the position whose logits chose
     # it), "all" also every prompt position before that; see GenerationResult.hidden_states
     return_hidden_states: str | None = None
+    # the prompt's own log-probabilities (evaluation harnesses' loglikelihood): None off; n >= 0
+    # gives each prompt token after the first its log-probability given the tokens before it,
+    # plus the n most likely alternatives (GenerationResult.prompt_logprobs). Computed by the
+    # prefill run itself, chunk by chunk; with max_new_tokens 0 the request only prefills.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Refuse values that would crash deep inside numpy or silently mean something else
         (a NaN temperature ran greedy, an empty stop string stopped after one token)."""
-        for name in ("max_new_tokens", "top_k", "logprobs", "seed"):
+        for name in ("max_new_tokens", "top_k", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is None and name != "seed":
                 continue
@@ -111,3 +116,5 @@ class GenerationResult:
     # token_ids[i]) or 0 ("all"); the last generated token is never fed back, so it has no row.
     # The last len(token_ids) rows always line up with token_ids (and with logits).
     hidden_states: np.ndarray | None = None
+    # with prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -111,6 +111,7 @@ class RequestState:
     emitted: int = 0  # characters of text already streamed
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # filled as prefill runs
     logits: list[np.ndarray] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)  # return_hidden_states: [k, hidden] rows, in position order
     slot: int | None = None
@@ -135,6 +136,12 @@ class RequestState:
     def folds(self) -> bool:
         """Whether the graph's argmax can choose this request's next token (no logits needed)."""
         return self.params.greedy and self.cfg.logprobs is None and not self.cfg.output_logits
+
+    @property
+    def runs(self) -> bool:
+        """Whether the request needs the model at all: tokens to generate, or its prompt's
+        log-probabilities to compute (a request with neither ends at once with "length")."""
+        return self.budget > 0 or self.cfg.prompt_logprobs is not None
 
 
 def make_request(engine: "Engine", index: int, ids: list[int], images: list, image_positions, cfg: GenerationConfig,
@@ -285,12 +292,13 @@ class StepBatch:
         logits_index = np.array([[end - 1 - start if f else 0] for end, f in zip(ends, finishing)], np.int64)
         cols = np.zeros(n, np.int64)  # each row's column of the outputs: where its token is chosen
         hidden = any(r.cfg.return_hidden_states for r in reqs)
-        if any(r.cfg.return_hidden_states == "all" for r in reqs):
+        scored = [r.cfg.prompt_logprobs is not None for r in reqs]
+        if any(scored) or any(r.cfg.return_hidden_states == "all" for r in reqs):
             # every position of the chunk (a shorter row repeats its last one): logits too,
             # since the graph gives hidden states where it gives logits
             logits_index = np.minimum(np.arange(seq, dtype=np.int64), (lengths - 1)[:, None])
             cols = lengths - 1
-        fold = self.folded and all(r.folds for r, f in zip(reqs, finishing) if f)
+        fold = self.folded and not any(scored) and all(r.folds for r, f in zip(reqs, finishing) if f)
         extra = self.engine._extra(reqs, positions[:, 0], seq)
 
         def finish(out) -> list[RequestState]:
@@ -304,8 +312,14 @@ class StepBatch:
             stepped = []
             for row, (r, end, f) in enumerate(zip(reqs, ends, finishing)):
                 self.prompt_tokens += end - start
+                if scored[row]:
+                    _score_prompt(r, out[row, : end - start], start)
                 r.done = end
-                if f:
+                if f and r.budget == 0:  # it only wanted its prompt scored
+                    r.finish_reason = "length"
+                    r.events.append(TokenEvent(r.index, NO_TOKEN, "", None, "length"))
+                    stepped.append(r)
+                elif f:
                     self._choose(r, out[row, cols[row]], fold)
                     stepped.append(r)
             last = reqs[-1]
@@ -399,6 +413,15 @@ def _chunk_end(r: RequestState, start: int, budget: float) -> int:
     return r.layout.chunk_end(start, budget) if r.layout is not None else min(start + budget, n)
 
 
+def _score_prompt(r: RequestState, logits: np.ndarray, start: int) -> None:
+    """Append the log-probabilities of prompt tokens ``start+1 .. start+len(logits)`` (each given
+    the positions before it) from a chunk's logits rows at positions ``start ..``."""
+    lps = log_softmax(logits[: len(r.prompt_ids) - 1 - start])  # the last position predicts no prompt token
+    for j, row in enumerate(lps):
+        token = r.prompt_ids[start + j + 1]
+        r.prompt_logprobs.append(TokenLogprob(token, float(row[token]), tuple(top_logprobs(row, r.cfg.prompt_logprobs))))
+
+
 def _finish_cancelled(r: RequestState) -> None:
     r.finish_reason = "cancelled"
     r.events.append(TokenEvent(r.index, NO_TOKEN, "", None, "cancelled"))
@@ -452,7 +475,8 @@ def result_of(r: RequestState) -> GenerationResult:
     return GenerationResult(prompt_ids=r.prompt_ids, token_ids=r.tokens, text=r.text if r.detokenizer else None,
                             finish_reason=r.finish_reason, logprobs=r.logprobs if r.cfg.logprobs is not None else None,
                             logits=np.stack(r.logits) if r.logits else None,
-                            hidden_states=np.concatenate(r.hidden) if r.hidden else None)
+                            hidden_states=np.concatenate(r.hidden) if r.hidden else None,
+                            prompt_logprobs=r.prompt_logprobs if r.cfg.prompt_logprobs is not None else None)
 
 
 # -- the serving side -------------------------------------------------------------------------
@@ -653,7 +677,7 @@ class Scheduler:
             r = make_request(engine, 0, ids, loaded, positions, cfg, params)
             r.index = index
             handle = r.handle = RequestHandle(self, r)
-            if r.budget == 0:  # nothing to generate: it ends without running
+            if not r.runs:  # nothing to generate or score: it ends without running
                 r.finish_reason = "length"
                 handle._deliver([TokenEvent(index, NO_TOKEN, "", None, "length")], True)
                 return handle
