@@ -285,7 +285,7 @@ BAD = {  # name: (route, body, code, param)
     "negative seed": (_C, dict(_OK, seed=-1), "invalid_value", "seed"),
     "penalty": (_C, dict(_OK, presence_penalty=0.5), "invalid_value", "presence_penalty"),
     "logit_bias": (_C, dict(_OK, logit_bias={"5": "x"}), "invalid_value", "logit_bias"),
-    "echo": (_C, dict(_OK, echo=True), "invalid_value", "echo"),
+    "echo a string": (_C, dict(_OK, echo="yes"), "invalid_value", "echo"),
     "prompt a number": (_C, dict(_OK, prompt=5), "invalid_value", "prompt"),
     "prompt mixed": (_C, dict(_OK, prompt=["a", 5]), "invalid_value", "prompt"),
     "two prompts": (_C, dict(_OK, prompt=["a", "b"]), "invalid_value", "prompt"),
@@ -661,3 +661,54 @@ def test_tokenizer_routes_refuse_bad_bodies_naming_the_field(srv, path, body, pa
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "\n" not in error["message"], error
+
+
+# -- echo: the prompt's log-probabilities (lm-evaluation-harness's loglikelihood requests) -----------
+
+def _engine_prompt_logprobs(reference, ids, top):
+    res = reference.generate(ids, GenerationConfig(max_new_tokens=1, prompt_logprobs=top, logprobs=top,
+                                                   do_sample=False, stop_token_ids=()))[0]
+    return res.prompt_logprobs + res.logprobs, res
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 3])
+def test_echo_gives_the_prompts_logprobs_then_the_completions(srv, reference, max_tokens):
+    """The request lm-eval's local-completions sends for a loglikelihood: the prompt as token ids,
+    echo, logprobs 1, temperature 0; the score is sum(token_logprobs[ctxlen:len(prompt)])."""
+    ids = [5, 17, 33, 4, 90, 12, 61]
+    r = srv.post("/v1/completions", {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1,
+                                     "max_tokens": max_tokens, "temperature": 0, "seed": 1234})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    tok = reference.tokenizer
+    want, res = _engine_prompt_logprobs(reference, ids, 1)
+    n = len(ids) + max_tokens
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids) + min(max_tokens, 1)):
+        assert lp["token_logprobs"][i] == pytest.approx(want[i].logprob, abs=1e-5)
+        assert lp["top_logprobs"][i] == {tok.decode([t]): pytest.approx(v, abs=1e-5) for t, v in want[i].top}
+    assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids]
+    assert choice["text"].startswith(tok.decode(ids)) and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    if max_tokens:
+        assert lp["tokens"][len(ids)] == tok.decode([res.token_ids[0]])
+    assert r.json()["usage"]["completion_tokens"] == max_tokens
+
+
+def test_echo_streamed_and_through_the_openai_client(srv, reference):
+    client = srv.client()
+    ids = [9, 40, 22, 71, 3]
+    whole = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=2, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=2,
+                                            temperature=0, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert text == whole.choices[0].text
+    assert streamed == whole.choices[0].logprobs.token_logprobs and streamed[0] is None
+    want, _ = _engine_prompt_logprobs(reference, ids, 2)
+    assert streamed[1:len(ids)] == pytest.approx([w.logprob for w in want[1:len(ids)]], abs=1e-5)
+    # echo without logprobs: the prompt's text before the completion's, nothing scored
+    plain = client.completions.create(model=MODEL, prompt="Hello there", echo=True, max_tokens=2, temperature=0)
+    assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None

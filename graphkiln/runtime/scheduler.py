@@ -503,6 +503,13 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._async: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
 
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With ``GenerationConfig.prompt_logprobs``: as ``GenerationResult.prompt_logprobs``,
+        complete once the request's first event has arrived (its prefill is over by then)."""
+        r = self._request
+        return list(r.prompt_logprobs) if r.cfg.prompt_logprobs is not None else None
+
     # called by the stepping thread
     def _deliver(self, events: list[TokenEvent], done: bool, error: BaseException | None = None) -> None:
         with self._cond:

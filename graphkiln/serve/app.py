@@ -39,6 +39,7 @@ and every response, errors included. With an API key it needs the key like every
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -56,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.requests import GenerationConfig, TokenEvent
+from graphkiln.runtime.tokenizer import IncrementalDetokenizer
 from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, LaneFull, Lanes, chars_per_token_bound, min_tokens
@@ -250,6 +252,8 @@ def _prepare_completion(state: ServerState, body: bytes):
     req = _parse(S.CompletionRequest, body)
     _check_model(req.model, state.options.model_name)
     config = _config(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the prompt's own, from the prefill that runs it
+        config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
     prompt = req.single_prompt
     if isinstance(prompt, str) and state.tokenizer is not None:  # without one, submit refuses text
         state.check_chars(len(prompt), "prompt")
@@ -486,7 +490,7 @@ async def _sse(state, handle, arrived, shape: "_Shape", watcher) -> AsyncIterato
         count = 0
         async for ev in _tracked(state, handle, arrived):
             count += ev.token_id >= 0
-            chunk = shape.chunk(ev)
+            chunk = shape.chunk(ev, handle)
             if chunk is not None:
                 yield _data(chunk)
         if shape.req.include_usage:
@@ -559,10 +563,34 @@ class _Shape:
 class _CompletionShape(_Shape):
     prefix = "cmpl"
 
-    def _logprobs(self, events: list[TokenEvent]) -> S.CompletionLogprobs | None:
+    def __init__(self, req, model_name: str, engine) -> None:
+        super().__init__(req, model_name, engine)
+        self.echoed = not req.echo  # the prompt goes before the first text there is to send
+
+    def _echo(self, handle) -> tuple[str, S.CompletionLogprobs | None]:
+        """The prompt as text (as given, or decoded from ids) and, with logprobs, its tokens'."""
+        self.echoed = True
+        given = self.req.single_prompt
+        text = given if isinstance(given, str) else (self.tokenizer.decode(given) if self.tokenizer is not None else "")
+        if self.req.logprobs is None:
+            self.text_len += len(text)
+            return text, None
+        out = S.CompletionLogprobs()
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        ids = handle.prompt_ids
+        for i, lp in enumerate(handle.prompt_logprobs):
+            out.tokens.append(self.token_text(ids[i]))
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else {self.token_text(t): v for t, v in lp.top})
+            out.text_offset.append(self.text_len)
+            if detok is not None:
+                self.text_len += len(detok.step(ids[: i + 1], final=i + 1 == len(ids)))
+        return text, out
+
+    def _logprobs(self, events: list[TokenEvent], into: S.CompletionLogprobs | None = None) -> S.CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
-        out = S.CompletionLogprobs()
+        out = into or S.CompletionLogprobs()
         for ev in _tokens(events):
             out.tokens.append(self.token_text(ev.token_id))
             out.token_logprobs.append(ev.logprob.logprob)
@@ -571,18 +599,25 @@ class _CompletionShape(_Shape):
             self.text_len += len(ev.text)
         return out
 
+    def _text_and_logprobs(self, handle, events: list[TokenEvent]) -> tuple[str, S.CompletionLogprobs | None]:
+        head, echoed = self._echo(handle) if not self.echoed else ("", None)
+        return head + "".join(e.text for e in events), self._logprobs(events, echoed)
+
     def whole(self, handle, events: list[TokenEvent]) -> dict:
-        choice = S.CompletionChoice(text="".join(e.text for e in events), logprobs=self._logprobs(events),
+        text, logprobs = self._text_and_logprobs(handle, events)
+        choice = S.CompletionChoice(text=text, logprobs=logprobs,
                                     finish_reason=_finish(events[-1].finish_reason if events else "length"),
                                     token_ids=self.ids(events))
         return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage(handle, len(_tokens(events))),
                                   prompt_token_ids=list(handle.prompt_ids) if self.req.return_token_ids else None))
 
-    def chunk(self, ev: TokenEvent) -> dict | None:
-        if not ev.text and ev.finish_reason is None and self.req.logprobs is None and not self.req.return_token_ids:
+    def chunk(self, ev: TokenEvent, handle=None) -> dict | None:
+        if (self.echoed and not ev.text and ev.finish_reason is None and self.req.logprobs is None
+                and not self.req.return_token_ids):
             return None  # nothing to say yet (a pending stop string or a partial character)
-        choice = S.CompletionChoice(text=ev.text, logprobs=self._logprobs([ev]), finish_reason=_finish(ev.finish_reason),
+        text, logprobs = self._text_and_logprobs(handle, [ev])
+        choice = S.CompletionChoice(text=text, logprobs=logprobs, finish_reason=_finish(ev.finish_reason),
                                     token_ids=self.ids([ev]))
         return _dump(S.Completion(id=self.id, created=self.created, model=self.model, choices=[choice]))
 
@@ -622,7 +657,7 @@ class _ChatShape(_Shape):
     def opening(self) -> list[dict]:
         return [self._chunk([S.ChatChunkChoice(delta=S.Delta(role="assistant", content=""))])]
 
-    def chunk(self, ev: TokenEvent) -> dict | None:
+    def chunk(self, ev: TokenEvent, handle=None) -> dict | None:
         if not ev.text and ev.finish_reason is None and not self.req.logprobs and not self.req.return_token_ids:
             return None
         delta = S.Delta(content=ev.text) if ev.text or ev.finish_reason is None else S.Delta()

@@ -92,14 +92,11 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # the prompt before the completion in text and logprobs (the first token's logprob null), as
+    # evaluation harnesses score prompts: echo, logprobs N, max_tokens 0 or 1
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v, info):
-        return _neutral(v, (False,), info.field_name)
 
     @field_validator("best_of")
     @classmethod
@@ -164,8 +161,8 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per token."""
 
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
