@@ -288,7 +288,9 @@ BAD = {  # name: (route, body, code, param)
     "echo a string": (_C, dict(_OK, echo="yes"), "invalid_value", "echo"),
     "prompt a number": (_C, dict(_OK, prompt=5), "invalid_value", "prompt"),
     "prompt mixed": (_C, dict(_OK, prompt=["a", 5]), "invalid_value", "prompt"),
-    "two prompts": (_C, dict(_OK, prompt=["a", "b"]), "invalid_value", "prompt"),
+    "65 prompts": (_C, dict(_OK, prompt=[[5]] * 65), "invalid_value", "prompt"),
+    "prompts of two kinds": (_C, dict(_OK, prompt=["a", [5]]), "invalid_value", "prompt"),
+    "a batch's prompt too long": (_C, dict(_OK, prompt=[[5], [5] * 200]), "context_length_exceeded", "prompt[1]"),
     "prompt too long": (_C, dict(_OK, prompt=[5] * 200), "context_length_exceeded", "prompt"),
     "text prompt too long": (_C, dict(_OK, prompt="ab " * 2000), "context_length_exceeded", "prompt"),
     "id outside vocab": (_C, dict(_OK, prompt=[5, 10**6]), None, "prompt"),
@@ -712,3 +714,37 @@ def test_echo_streamed_and_through_the_openai_client(srv, reference):
     # echo without logprobs: the prompt's text before the completion's, nothing scored
     plain = client.completions.create(model=MODEL, prompt="Hello there", echo=True, max_tokens=2, temperature=0)
     assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_is_one_choice_each_as_if_sent_alone(srv, stream):
+    """prompt: [[ids], [ids], ...] (and lists of texts), as lm-eval batches loglikelihood requests:
+    choice i is prompt i's, equal to that prompt sent alone; usage is the sum."""
+    batches = [[[5, 17, 33], [9, 40, 22, 71, 3], [61]], ["Hello", "Once upon a time"]]
+    for prompts in batches:
+        common = {"model": MODEL, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+        alone = [srv.post("/v1/completions", dict(common, prompt=p)).json() for p in prompts]
+        if not stream:
+            r = srv.post("/v1/completions", dict(common, prompt=prompts))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            choices = body["choices"]
+        else:
+            chunks = list(srv.client().completions.create(prompt=prompts, stream=True,
+                                                          stream_options={"include_usage": True}, **common))
+            body = {"usage": chunks[-1].usage.model_dump()}
+            choices = [{"index": i, "text": "", "logprobs": {"token_logprobs": []}, "finish_reason": None}
+                       for i in range(len(prompts))]
+            for c in chunks[:-1]:
+                for ch in c.choices:
+                    choices[ch.index]["text"] += ch.text
+                    choices[ch.index]["logprobs"]["token_logprobs"] += ch.logprobs.token_logprobs
+                    choices[ch.index]["finish_reason"] = ch.finish_reason or choices[ch.index]["finish_reason"]
+        assert [c["index"] for c in choices] == list(range(len(prompts)))
+        for c, a in zip(choices, alone):
+            assert c["text"] == a["choices"][0]["text"] and c["finish_reason"] == a["choices"][0]["finish_reason"]
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(a["choices"][0]["logprobs"]["token_logprobs"],
+                                                                    abs=1e-5)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert body["usage"][key] == sum(a["usage"][key] for a in alone)
+    srv.wait_idle()

@@ -180,16 +180,17 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
         arrived = time.perf_counter()
         _check_open(state)
         body = await _read_body(request, options.max_body_bytes)
-        req, handle = await _in_lane(state, len(body), _prepare_completion, state, body)
-        return await _respond(request, state, handle, arrived, _CompletionShape(req, options.model_name, engine))
+        req, group = await _in_lane(state, len(body), _prepare_completion, state, body)
+        shapes = [_CompletionShape(req, options.model_name, engine, p) for p in req.prompts]
+        return await _respond(request, state, group, arrived, shapes)
 
     @api.post("/v1/chat/completions", **R.generation_route(S.ChatCompletion, S.ChatCompletionChunk))
     async def chat_completions(request: Request):
         arrived = time.perf_counter()
         _check_open(state)
         body = await _read_body(request, options.max_body_bytes)
-        req, handle = await _in_lane(state, len(body), _prepare_chat, state, body)
-        return await _respond(request, state, handle, arrived, _ChatShape(req, options.model_name, engine))
+        req, group = await _in_lane(state, len(body), _prepare_chat, state, body)
+        return await _respond(request, state, group, arrived, [_ChatShape(req, options.model_name, engine)])
 
     # vLLM's tokenizer routes, at the root as there: lm-evaluation-harness's remote tokenizer
     # (tokenizer_backend=remote) reads /tokenizer_info, then posts to /tokenize and /detokenize
@@ -247,20 +248,42 @@ async def _in_lane(state: ServerState, size: int, prepare, *args):
         raise
 
 
+class _Group:
+    """The scheduler handles of one HTTP request's choices (one per prompt), cancelled together."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+
 def _prepare_completion(state: ServerState, body: bytes):
-    """In a lane worker: the parsed request and its scheduler handle."""
+    """In a lane worker: the parsed request and its choices' scheduler handles. Every prompt is
+    checked before any is submitted; a refusal of a later one (queue full) cancels the earlier."""
     req = _parse(S.CompletionRequest, body)
     _check_model(req.model, state.options.model_name)
     config = _config(req, req.max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the prompt's own, from the prefill that runs it
         config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
-    prompt = req.single_prompt
-    if isinstance(prompt, str) and state.tokenizer is not None:  # without one, submit refuses text
-        state.check_chars(len(prompt), "prompt")
-        prompt = state.encode(prompt, special=True)  # as Engine tokenizes: the post-processor's BOS
-    if not isinstance(prompt, str):
-        state.check_tokens(len(prompt), "prompt")
-    return req, _submit(state, prompt, config, "prompt")
+    ready = []
+    for k, prompt in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{k}]"
+        if isinstance(prompt, str) and state.tokenizer is not None:  # without one, submit refuses text
+            state.check_chars(len(prompt), param)
+            prompt = state.encode(prompt, special=True)  # as Engine tokenizes: the post-processor's BOS
+        if not isinstance(prompt, str):
+            state.check_tokens(len(prompt), param)
+        ready.append((prompt, param))
+    group = _Group([])
+    try:
+        for prompt, param in ready:
+            group.handles.append(_submit(state, prompt, config, param))
+    except BaseException:
+        group.cancel()
+        raise
+    return req, group
 
 
 def _prepare_chat(state: ServerState, body: bytes):
@@ -276,7 +299,7 @@ def _prepare_chat(state: ServerState, body: bytes):
     state.check_chars(len(text), "messages")
     ids = state.encode(text, special=False)  # the template already wrote any BOS
     state.check_tokens(len(ids), "messages")
-    return req, _submit(state, ids, config, "messages")
+    return req, _Group([_submit(state, ids, config, "messages")])
 
 
 def _tokenizer_info(state: ServerState) -> S.TokenizerInfo:
@@ -462,46 +485,88 @@ async def _tracked(state: ServerState, handle, arrived: float) -> AsyncIterator[
         metrics.finished.labels(reason).inc()
 
 
-async def _respond(request: Request, state: ServerState, handle, arrived: float, shape: "_Shape"):
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, handle))
-    if shape.req.stream:
-        return StreamingResponse(_sse(state, handle, arrived, shape, watcher), media_type="text/event-stream",
+async def _respond(request: Request, state: ServerState, group: _Group, arrived: float, shapes: list["_Shape"]):
+    """The response for a request's choices: ``shapes[i]`` shapes ``group.handles[i]``'s events."""
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, group))
+    if shapes[0].req.stream:
+        return StreamingResponse(_sse(state, group, arrived, shapes, watcher), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _whole(state, handle, arrived, shape, watcher)
+    return await _whole(state, group, arrived, shapes, watcher)
 
 
-async def _whole(state, handle, arrived, shape: "_Shape", watcher) -> JSONResponse:
-    events: list[TokenEvent] = []
+async def _whole(state, group: _Group, arrived, shapes: list["_Shape"], watcher) -> JSONResponse:
+    async def collect(handle) -> list[TokenEvent]:
+        return [ev async for ev in _tracked(state, handle, arrived)]
+
     try:
-        async for ev in _tracked(state, handle, arrived):
-            events.append(ev)
+        per_choice = await asyncio.gather(*(collect(h) for h in group.handles))
     except GraphkilnError as exc:
         raise ApiError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
     finally:
         watcher.cancel()
-        handle.cancel()
-    return JSONResponse(shape.whole(handle, events))
+        group.cancel()
+    return JSONResponse(_merged([s.whole(h, evs) for s, h, evs in zip(shapes, group.handles, per_choice)]))
 
 
-async def _sse(state, handle, arrived, shape: "_Shape", watcher) -> AsyncIterator[str]:
+def _merged(bodies: list[dict]) -> dict:
+    """One response of several choices' (index in order, usage summed); the prompt ids, asked for
+    with return_token_ids, are then each choice's own ``prompt_token_ids``."""
+    if len(bodies) == 1:
+        return bodies[0]
+    out = dict(bodies[0], choices=[])
+    for i, body in enumerate(bodies):
+        for choice in body["choices"]:
+            out["choices"].append(dict(choice, index=i) | (
+                {"prompt_token_ids": body["prompt_token_ids"]} if "prompt_token_ids" in body else {}))
+    out.pop("prompt_token_ids", None)
+    if out.get("usage") is not None:
+        out["usage"] = {k: sum(b["usage"][k] for b in bodies) for k in out["usage"]}
+    return out
+
+
+async def _sse(state, group: _Group, arrived, shapes: list["_Shape"], watcher) -> AsyncIterator[str]:
+    """Server-sent events of every choice, interleaved as their tokens come (each chunk one
+    choice's, its ``index`` set), then one usage chunk when asked for."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle) -> None:
+        try:
+            async for ev in _tracked(state, handle, arrived):
+                events.put_nowait((i, ev, None))
+        except GraphkilnError as exc:
+            events.put_nowait((i, None, exc))
+        else:
+            events.put_nowait((i, None, None))
+
+    pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(group.handles)]
     try:
-        for chunk in shape.opening():
+        for chunk in shapes[0].opening():
             yield _data(chunk)
-        count = 0
-        async for ev in _tracked(state, handle, arrived):
-            count += ev.token_id >= 0
-            chunk = shape.chunk(ev, handle)
+        counts, running = [0] * len(pumps), len(pumps)
+        while running:
+            i, ev, error = await events.get()
+            if error is not None:
+                raise error
+            if ev is None:
+                running -= 1
+                continue
+            counts[i] += ev.token_id >= 0
+            chunk = shapes[i].chunk(ev, group.handles[i])
             if chunk is not None:
+                for choice in chunk["choices"]:
+                    choice["index"] = i
                 yield _data(chunk)
-        if shape.req.include_usage:
-            yield _data(shape.usage_chunk(handle, count))
+        if shapes[0].req.include_usage:
+            yield _data(_merged([s.usage_chunk(h, n) for s, h, n in zip(shapes, group.handles, counts)]))
     except GraphkilnError as exc:
         # the 200 and earlier chunks are already sent: the failure is an error event, then the end
         yield _data(S.ErrorBody(error=S.ErrorDetail(message=f"generation failed: {exc}", type="server_error",
                                                     code="generation_failed")).model_dump())
     finally:
+        for p in pumps:
+            p.cancel()
         watcher.cancel()
-        handle.cancel()
+        group.cancel()
     yield "data: [DONE]\n\n"
 
 
@@ -563,14 +628,15 @@ class _Shape:
 class _CompletionShape(_Shape):
     prefix = "cmpl"
 
-    def __init__(self, req, model_name: str, engine) -> None:
+    def __init__(self, req, model_name: str, engine, prompt) -> None:
         super().__init__(req, model_name, engine)
+        self.prompt = prompt  # this choice's, as the request gave it
         self.echoed = not req.echo  # the prompt goes before the first text there is to send
 
     def _echo(self, handle) -> tuple[str, S.CompletionLogprobs | None]:
         """The prompt as text (as given, or decoded from ids) and, with logprobs, its tokens'."""
         self.echoed = True
-        given = self.req.single_prompt
+        given = self.prompt
         text = given if isinstance(given, str) else (self.tokenizer.decode(given) if self.tokenizer is not None else "")
         if self.req.logprobs is None:
             self.text_len += len(text)

@@ -85,12 +85,15 @@ class _Sampling(BaseModel):
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: one prompt, text or token ids (a list holding one of either is
-    also taken, as the OpenAI client sends it)."""
+MAX_PROMPTS = 64  # prompts in one /v1/completions request: one choice each
 
-    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)]
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt, text or token ids, or a list of prompts of one kind
+    (one choice each, ``index`` in order; as evaluation harnesses batch their requests)."""
+
+    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # the prompt before the completion in text and logprobs (the first token's logprob null), as
     # evaluation harnesses score prompts: echo, logprobs N, max_tokens 0 or 1
@@ -109,9 +112,9 @@ class CompletionRequest(_Sampling):
         return _neutral(v or None, (None,), info.field_name)
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
 
 class TextPart(BaseModel):
