@@ -404,7 +404,7 @@ class Case:
 # to two workers in collection order, and a long file collected last would run alone at the end.
 LONG_FILES_FIRST = ("test_vlm_runtime.py", "test_layer_stamping.py", "test_stages.py", "test_qwen2_5_vl.py",
                     "test_gemma3_vl.py", "test_distributed.py", "test_distributed_hosts.py", "test_hidden_states.py",
-                    "test_serve.py", "test_cli_hardening.py")
+                    "test_serve.py", "test_cli_hardening.py", "test_lm_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):
