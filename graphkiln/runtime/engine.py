@@ -77,8 +77,6 @@ class Engine:
                     f"artifact uses custom op {op.domain}.{op.name} v{op.version}, which this graphkiln does not know: "
                     "upgrade graphkiln or re-export the artifact with this version"
                 )
-        if threads is not None and distributed is None:  # Ray actors check against their own hosts' CPUs
-            check_threads(threads)
         self.backend, self.device = backend, device
         self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target, distributed,
                                                manifest_digest)
@@ -113,8 +111,8 @@ class Engine:
         runs a pipeline-staged artifact with each stage in its own Ray actor (``runtime.distributed``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
-        if threads is not None and distributed is None:  # before the files are hashed
-            check_threads(threads)
+        if threads is not None and distributed is None:  # before the files are hashed (every session checks
+            check_threads(threads)                       # again where it is made: a Ray actor on its own host)
         if distributed is not None:  # refused before any file is read (Ray missing: the extra to install)
             from graphkiln.runtime.distributed import check_distributed, import_ray
 
