@@ -110,7 +110,7 @@ def _distributed(args):
                              "--ray-address, or drop --ray-timeout")
     if args.ray_address is not None and not args.ray_address.strip():
         raise GraphkilnError("--ray-address is empty: give the head's address (e.g. auto, 10.0.0.1:6379), or drop it")
-    from graphkiln.runtime.distributed import CONNECT_TIMEOUT_S, RayOptions
+    from graphkiln.runtime.backends.distributed import CONNECT_TIMEOUT_S, RayOptions
 
     def split(flag: str, text: str | None) -> tuple[str, ...] | None:
         if text is None:
@@ -134,7 +134,7 @@ def _add_ray_flags(p) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --distributed ray: join this Ray cluster (e.g. auto) instead of starting a local one")
     p.add_argument("--ray-timeout", default=None, type=_number(0, low_open=True), metavar="SECONDS",
-                   # the default is runtime.distributed.CONNECT_TIMEOUT_S (not imported here: every
+                   # the default is runtime.backends.distributed.CONNECT_TIMEOUT_S (not imported here: every
                    # command builds this parser, and that module pulls in numpy)
                    help="with --ray-address: how long joining the cluster may take before it fails (default 30)")
     p.add_argument("--stage-dirs", default=None, metavar="D0,D1,...",

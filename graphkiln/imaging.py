@@ -194,7 +194,7 @@ class PlaceholderRule:
     - ``fixed`` (Gemma3: ``mm_tokens_per_image``): ``tokens_per_image`` for every image.
     - ``merged_grid`` (Qwen2-VL / Qwen2.5-VL): ``t * h * w // merge_size**2`` of the image's grid.
 
-    What replaces the prompt's placeholder (``runtime.vision.expand_placeholders``): ``prefix_ids``,
+    What replaces the prompt's placeholder (``runtime.backends.vision.expand_placeholders``): ``prefix_ids``,
     then that many ``row_token_id`` tokens (the ones whose embeddings the image's rows replace;
     None: the placeholder's own id), then ``suffix_ids``. LLaVA and Qwen: no prefix or suffix, the
     placeholder repeated. Gemma3 (``Gemma3Processor``): the prompt holds ``<start_of_image>`` and

@@ -87,7 +87,7 @@ GRAPH_ROLES = {
                  "lookahead"),
                 ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state", "present_key",
                  "present_value")),
-    # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.vision_groups)
+    # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.backends.vision_groups)
     "vision": (("pixel_values", "image_grid_thw", "patch_positions", "window_groups", "window_slots", "image_groups",
                 "image_slots"), ("image_embeddings",)),
 }

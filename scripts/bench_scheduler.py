@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Scheduler benchmark (runtime.scheduler), in process, no HTTP.
+"""Scheduler benchmark (runtime.request.scheduler), in process, no HTTP.
 
 Model: a small Llama shape (8 layers, hidden 512, 8/2 heads, vocab 32000, ~60M parameters,
 random weights), exported for the onnxruntime target (GroupQueryAttention, cache in place)
@@ -54,7 +54,7 @@ def build(root: Path, quick: bool) -> dict[str, Path]:
 
 def serve(art: Path, threads: int, concurrency: int, prompt_tokens: int, new_tokens: int) -> dict:
     from graphkiln.runtime import Engine, GenerationConfig
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     engine = Engine.load(art, threads=threads)
     vocab = engine.manifest.model.vocab_size
@@ -145,7 +145,7 @@ def arrangements(art: Path, threads: int, chunk: int, repeats: int) -> dict:
 
 def folded(art: Path, threads: int, repeats: int) -> list[dict]:
     from graphkiln.runtime import Engine
-    from graphkiln.runtime.sampling import SamplingParams, select_token
+    from graphkiln.runtime.request.sampling import SamplingParams, select_token
 
     engine = Engine.load(art, threads=threads)
     dec, pool = engine.decoder, engine.pool

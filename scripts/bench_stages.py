@@ -55,7 +55,7 @@ def build(path: Path, model: str) -> None:
 def _peak_rss() -> int:
     """Peak RSS from /proc (VmHWM): ru_maxrss is carried across exec, so these workers, started
     by the exporting parent, would report its peak."""
-    from graphkiln.runtime.distributed import _peak_rss as vm_hwm
+    from graphkiln.runtime.backends.distributed import _peak_rss as vm_hwm
 
     return vm_hwm()
 
@@ -119,7 +119,7 @@ def worker_ray(art: str, prompt: list[int], new: int, repeats: int) -> dict:
     import ray
 
     from graphkiln.runtime import Engine
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=True)
     engine = Engine.load(art, threads=1, distributed=RayOptions())

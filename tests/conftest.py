@@ -231,7 +231,7 @@ def tokens_through_scheduler(artifact: Path, prompts, images, config, step_token
     """Each request's greedy tokens when ``prompts`` (with their ``images``) go through one
     continuous-batching Scheduler over a fresh Engine; every slot must be free afterwards."""
     from graphkiln.runtime import Engine
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     engine = Engine.load(artifact)
     sched = Scheduler(engine, max_batch=max_batch, step_tokens=step_tokens)

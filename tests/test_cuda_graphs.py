@@ -1,4 +1,4 @@
-"""CUDA-graph bookkeeping (graphkiln.runtime.cuda_graphs), on CPU with real arrays and real
+"""CUDA-graph bookkeeping (graphkiln.runtime.backends.cuda_graphs), on CPU with real arrays and real
 decoder steps: buckets, padding, graph keys, the graph cache's fallback rule, and warm-up probe
 slots. The padding contract is checked end to end on the tensorrt-target graph of a conv/attention
 hybrid, run by onnxruntime on CPU through the custom ops' function bodies (the graph TensorRT
@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.cuda_graphs import (PAD_ID, CaptureFailed, DecodePadding, GraphCache, GraphKey, bucket_for,
+from graphkiln.runtime.backends.cuda_graphs import (PAD_ID, CaptureFailed, DecodePadding, GraphCache, GraphKey, bucket_for,
                                            decode_buckets, probe_inputs, probe_slots, warm_up)
-from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
+from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
 from graphkiln.runtime.engine import PAD_ID as ENGINE_PAD_ID
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.state import StatePool
 
 TRT = "tensorrt"
 

@@ -1,6 +1,6 @@
 """Pipeline stages in Ray actors (issue 15): ``Engine.load(ART, distributed="ray")``.
 
-The reference is the same staged artifact chained in this process (``runtime.stages``; itself
+The reference is the same staged artifact chained in this process (``runtime.backends.stages``; itself
 at parity with the single-graph artifact in test_stages): the Ray-run engine must give the same
 greedy tokens and logits (within 1e-5), through ``generate`` and through the continuous-batching
 scheduler (slot ranges from first_slot > 0, releases that move rows). Each stage's actor is
@@ -82,8 +82,8 @@ def _greedy(n: int, **kw) -> GenerationConfig:
 @needs_ray
 @pytest.mark.parametrize("name,stages", CASES, ids=[f"{n}-{s}" for n, s in CASES])
 def test_ray_stages_match_in_process(cluster, staged, tmp_path, name, stages):
-    from graphkiln.runtime.distributed import RayOptions
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.backends.distributed import RayOptions
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     case, art, manifest = staged(name, stages)
     local = Engine.load(art)
@@ -122,7 +122,7 @@ def test_ray_stages_match_in_process(cluster, staged, tmp_path, name, stages):
 
 @needs_ray
 def test_killed_stage_fails_the_request_and_the_next_is_served(cluster, staged):
-    from graphkiln.runtime.distributed import StageFailed
+    from graphkiln.runtime.backends.distributed import StageFailed
 
     case, art, manifest = staged("qwen3_mixed_sliding", 2)
     prompts = case.prompts([5, 9], salt=7)
@@ -214,7 +214,7 @@ def test_distributed_choice_is_checked(staged):
 
 @needs_ray
 def test_stage_directory_without_its_file_is_one_line(cluster, staged, tmp_path):
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     _, art, manifest = staged("qwen3_mixed_sliding", 2)
     dirs = _stage_dirs(art, manifest, tmp_path)
@@ -229,7 +229,7 @@ def test_stage_directory_without_its_file_is_one_line(cluster, staged, tmp_path)
 def test_ray_stages_encode_images_in_the_first_stage_actor(cluster, staged, tmp_path):
     """A staged VLM: the driver preprocesses and caches, the first stage's actor (which alone holds
     the vision graph's files) encodes; tokens and logits equal the in-process chain's."""
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     case, art, manifest = staged("llava_clip", 2)
     local = Engine.load(art)
@@ -254,7 +254,7 @@ def test_ray_stages_encode_images_in_the_first_stage_actor(cluster, staged, tmp_
 @needs_ray
 def test_stage_placement_refusals_are_one_line(cluster, staged, capsys):
     from cli_contract import assert_one_error, run_cli
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     case, art, manifest = staged("llava_clip", 2)
     node = next(n for n in cluster.nodes() if n["Alive"])["NodeID"]
@@ -350,13 +350,13 @@ def test_sigterm_while_joining_a_cluster_ends_the_run_at_once(staged, not_ray, k
 @needs_ray
 def test_an_unreachable_ray_address_through_the_api_is_one_line(staged):
     """``RayOptions(address=, connect_timeout_s=)``, in a fresh interpreter (no Ray connection)."""
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     _, art, _ = staged("qwen3_mixed_sliding", 2)
     address = f"127.0.0.1:{_free_port()}"
     code = ("import sys, time\n"
             "from graphkiln.runtime import Engine\n"
-            "from graphkiln.runtime.distributed import RayOptions\n"
+            "from graphkiln.runtime.backends.distributed import RayOptions\n"
             "start = time.monotonic()\n"
             "try:\n"
             f"    Engine.load({str(art)!r}, distributed=RayOptions(address={address!r}, connect_timeout_s=1.5))\n"
@@ -385,7 +385,7 @@ def test_a_timed_out_join_refuses_a_second_one_while_it_runs(staged, not_ray):
     _, art, _ = staged("qwen3_mixed_sliding", 2)
     code = ("import time\n"
             "from graphkiln.runtime import Engine\n"
-            "from graphkiln.runtime.distributed import RayOptions\n"
+            "from graphkiln.runtime.backends.distributed import RayOptions\n"
             "for _ in range(2):\n"
             "    start = time.monotonic()\n"
             "    try:\n"

@@ -129,7 +129,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'graphkiln[distributed]')")
-    from graphkiln.runtime.distributed import INIT_KWARGS, join_cluster
+    from graphkiln.runtime.backends.distributed import INIT_KWARGS, join_cluster
 
     if shutil.which("ip") is None:
         pytest.skip("the ip command (iproute2) is not installed: apt-get install iproute2")
@@ -249,7 +249,7 @@ def _greedy(n: int, **kw) -> GenerationConfig:
 
 
 def _across(hosts: TwoHosts, art: Path, dirs, **options) -> Engine:
-    from graphkiln.runtime.distributed import RayOptions
+    from graphkiln.runtime.backends.distributed import RayOptions
 
     engine = Engine.load(art, threads=1, distributed=RayOptions(
         address=hosts.address, stage_dirs=dirs, stage_nodes=(hosts.head_ip, hosts.worker_ip), **options))
@@ -329,7 +329,7 @@ def test_stage_actors_no_node_has_room_for_are_one_line_within_the_start_timeout
 
 
 def test_a_killed_stage_process_on_the_worker_host_fails_the_requests_in_flight(two_hosts, two_stage):
-    from graphkiln.runtime.distributed import StageFailed
+    from graphkiln.runtime.backends.distributed import StageFailed
 
     case, art, manifest, dirs = two_stage
     prompts = case.prompts([5, 9], salt=13)
@@ -366,7 +366,7 @@ def test_a_killed_stage_process_on_the_worker_host_fails_the_requests_in_flight(
 
 def test_a_cut_link_fails_the_requests_in_flight_within_seconds(two_hosts, two_stage):
     """Last in the module: the worker host is lost for good (its node is marked dead)."""
-    from graphkiln.runtime.distributed import StageFailed
+    from graphkiln.runtime.backends.distributed import StageFailed
 
     case, art, manifest, dirs = two_stage
     prompts = case.prompts([5, 9], salt=14)

@@ -22,7 +22,7 @@ from cli_contract import assert_nothing_written, assert_one_error, run_cli
 from conftest import MAX_SEQ_LEN, Spec, build_checkpoint, tokens_through_scheduler
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.vision import expand_placeholders
+from graphkiln.runtime.backends.vision import expand_placeholders
 
 ATOL = 1e-4
 STEPS = 16

@@ -457,7 +457,7 @@ def test_incremental_detokenizer_pieces_join_to_the_full_decode(tmp_path, style)
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from graphkiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+    from graphkiln.runtime.request.tokenizer import IncrementalDetokenizer, Tokenizer
 
     corpus = ["Ünïcödé tëxt, 漢字かな交じり文, emoji 🚀🔥 and plain words.",
               "The quick brown fox jumps over the lazy dog — twice: naïve café déjà vu.",

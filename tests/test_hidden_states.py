@@ -108,7 +108,7 @@ def test_staged_hidden_states_equal_the_single_graph(hidden_artifact):
 def test_scheduler_chunked_prefill_and_stream_events(hidden_artifact):
     """A prompt prefilled in chunks (step budget 8) beside a decoding request: "all" rows cover
     every chunk's positions; each streamed event carries the row that chose its token."""
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     case, engine, manifest = hidden_artifact("llama_gqa_bias", "onnxruntime")
     long, short = case.prompts((21, 4), salt=7)

@@ -1,4 +1,4 @@
-"""onnxruntime on CUDA (graphkiln.runtime.ort_cuda): refusals, step plans and graph ids, the
+"""onnxruntime on CUDA (graphkiln.runtime.backends.ort_cuda): refusals, step plans and graph ids, the
 device pool's bookkeeping over real host memory, and the whole runner (padding to buckets,
 raw-pointer bindings, in-place state, slot moves) run end to end over host memory on an
 onnxruntime CPU session against the CPU runtime.
@@ -23,12 +23,12 @@ from cli_contract import assert_one_error, run_cli
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import StateSpec
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.cuda_graphs import GraphKey
-from graphkiln.runtime.device_state import DevicePool, HostMemory
-from graphkiln.runtime.ort_cuda import (CUDA_EP, NEEDS_ORT_GPU, ORT_GPU_REQUIREMENT, SKIP_CAPTURE, Assigned, GraphIds,
+from graphkiln.runtime.backends.cuda_graphs import GraphKey
+from graphkiln.runtime.backends.device_state import DevicePool, HostMemory
+from graphkiln.runtime.backends.ort_cuda import (CUDA_EP, NEEDS_ORT_GPU, ORT_GPU_REQUIREMENT, SKIP_CAPTURE, Assigned, GraphIds,
                                         StepPlan, assigned_nodes, blockers_refusal, capture_blockers, check_bf16,
                                         check_graph, open_on_host, plan_step)
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.state import StatePool
 
 HAS_CUDA_EP = CUDA_EP in ort.get_available_providers()
 NO_GPU = pytest.mark.skipif(not HAS_CUDA_EP, reason="needs onnxruntime-gpu with CUDAExecutionProvider and an NVIDIA "
@@ -367,7 +367,7 @@ def test_cpu_runtime_feeds_it_and_older_graphs_still_run(request, which, artifac
 
 
 def test_total_sequence_length_of_a_step():
-    from graphkiln.runtime.decoder import total_sequence_length
+    from graphkiln.runtime.backends.ort_cpu import total_sequence_length
 
     for starts, lengths, want in [([0, 0], [5, 3], 5), ([7, 2, 9], [1, 1, 1], 10), ([0], [1], 1), ([4, 0], [2, 6], 6)]:
         pos = np.array(starts, np.int64)[:, None] + np.arange(3)

@@ -11,7 +11,7 @@ import pytest
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import GenerationConfig
-from graphkiln.runtime.scheduler import Scheduler
+from graphkiln.runtime.request.scheduler import Scheduler
 
 LENGTHS = (9, 1, 40, 17)
 

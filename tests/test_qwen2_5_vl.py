@@ -18,8 +18,8 @@ from PIL import Image
 from conftest import MAX_SEQ_LEN, Spec, build_checkpoint, tokens_through_scheduler
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.mrope import rope_positions
-from graphkiln.runtime.vision_groups import patch_groups
+from graphkiln.runtime.request.mrope import rope_positions
+from graphkiln.runtime.backends.vision_groups import patch_groups
 from cli_contract import run_cli
 
 ATOL = 1e-4

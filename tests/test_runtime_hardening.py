@@ -24,9 +24,9 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import StateSpec
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.engine import BUSY, NonFiniteLogitsError
-from graphkiln.runtime.sampling import NonFiniteLogits, SamplingParams, select_token
+from graphkiln.runtime.request.sampling import NonFiniteLogits, SamplingParams, select_token
 from graphkiln.memory import available_memory
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.state import StatePool
 from cli_contract import assert_one_error, run_cli
 
 EMBED = "model.embed_tokens.weight"  # [vocab, hidden] in the checkpoint and in the portable graph
@@ -490,7 +490,7 @@ def test_engine_refuses_bad_thread_counts(llama_case, threads):
     with pytest.raises(GraphkilnError, match=rf"threads .*1( to |\.\.){usable_cpus()}") as e:
         Engine.load(llama_case.artifact, threads=threads)
     assert "\n" not in str(e.value)
-    from graphkiln.runtime.decoder import cpu_session  # where a Ray stage actor's sessions are made
+    from graphkiln.runtime.backends.ort_cpu import cpu_session  # where a Ray stage actor's sessions are made
 
     with pytest.raises(GraphkilnError, match="threads"):
         cpu_session(llama_case.artifact, llama_case.manifest.graphs[0], threads)

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (runtime.scheduler) and the folded greedy sampler.
+"""The continuous-batching scheduler (runtime.request.scheduler) and the folded greedy sampler.
 
 A request's tokens must not depend on what else runs: each request submitted while others
 decode, prefilled in chunks under a small token budget, equals the same request run alone
@@ -15,8 +15,8 @@ import pytest
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.scheduler import NO_TOKEN, QueueFull, Scheduler, ShuttingDown
-from graphkiln.runtime.state import PackedSlots
+from graphkiln.runtime.request.scheduler import NO_TOKEN, QueueFull, Scheduler, ShuttingDown
+from graphkiln.runtime.backends.state import PackedSlots
 from test_runtime_hardening import EMBED, poison_artifact
 
 

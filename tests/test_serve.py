@@ -84,7 +84,7 @@ class Running:
 
 @contextmanager
 def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0, **app_options):
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
     from graphkiln.serve.server import bind, make_server
 
@@ -591,7 +591,7 @@ def test_scheduler_refusals_name_the_flag_and_the_argument(reference, kwargs, na
     """Every argument refusal is one line naming what the caller set, as the CLI flag and as the
     Python argument, with the value given."""
     from graphkiln.errors import GraphkilnError
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     with pytest.raises(GraphkilnError) as err:
         Scheduler(reference, **kwargs)
@@ -602,7 +602,7 @@ def test_scheduler_refusals_name_the_flag_and_the_argument(reference, kwargs, na
 
 def test_scheduler_max_batch_that_does_not_fit_names_it(reference):
     from graphkiln.errors import GraphkilnError
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
 
     sched = Scheduler(reference, max_batch=10**12, step_tokens=10**12 + 1)
     try:

@@ -26,7 +26,7 @@ from graphkiln.trt_build.profiles import (DECODE, INT32_MAX, PREFILL, BuildSizes
 from graphkiln.trt_build.publish import engine_paths, publish_engine
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import MANIFEST_NAME, EngineSpec, Manifest
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.state import StatePool
 
 DENSE, HYBRID, SLIDING = "llama_gqa_bias", "lfm2", "mistral_sliding"
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None

@@ -1,5 +1,5 @@
-"""The TensorRT engine runner (graphkiln.runtime.trt_runner) and its device state
-(graphkiln.runtime.device_state).
+"""The TensorRT engine runner (graphkiln.runtime.backends.trt_runner) and its device state
+(graphkiln.runtime.backends.device_state).
 
 What runs here (CPU, no TensorRT): every decision the runner makes. The device pool and step
 buffers run over host memory (``device_state.HostMemory``: real bytes, real copies); ``EngineStepRunner``
@@ -27,11 +27,11 @@ import pytest
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import EngineSpec, TensorSpec
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.cuda_graphs import CaptureFailed, decode_buckets
-from graphkiln.runtime.decoder import numpy_dtype
-from graphkiln.runtime.device_state import DevicePool, HostMemory, StepBuffers, bind_step, check_in_place, io_roles
-from graphkiln.runtime.state import StatePool
-from graphkiln.runtime.trt_runner import (DECODE, INSTALL, PREFILL, EngineStepRunner, StepPlan, check_compatible,
+from graphkiln.runtime.backends.cuda_graphs import CaptureFailed, decode_buckets
+from graphkiln.runtime.backends.ort_cpu import numpy_dtype
+from graphkiln.runtime.backends.device_state import DevicePool, HostMemory, StepBuffers, bind_step, check_in_place, io_roles
+from graphkiln.runtime.backends.state import StatePool
+from graphkiln.runtime.backends.trt_runner import (DECODE, INSTALL, PREFILL, EngineStepRunner, StepPlan, check_compatible,
                                           check_engine_io, check_logits, check_profile, find_engine, logits_per_row,
                                           plan_step, profile_index, tensorrt_major)
 
@@ -410,7 +410,7 @@ def test_cuda_memory_moves_bytes_like_host_memory(tiny):
     """The device pool's claims and releases over CudaMemory leave the bytes HostMemory does."""
     from cuda.bindings import runtime as cudart
 
-    from graphkiln.runtime.device_state import CudaMemory
+    from graphkiln.runtime.backends.device_state import CudaMemory
 
     states = _hybrid(tiny).manifest.states
     cuda = CudaMemory.open(cudart)

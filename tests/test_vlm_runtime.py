@@ -20,7 +20,7 @@ from PIL import Image
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
-from graphkiln.runtime.vision import EmbeddingCache, check_placeholder_count, expand_placeholders
+from graphkiln.runtime.backends.vision import EmbeddingCache, check_placeholder_count, expand_placeholders
 from cli_contract import assert_one_error, run_cli
 from conftest import tokens_through_scheduler
 

@@ -214,7 +214,7 @@ def tool_versions() -> dict[str, str]:
 
 
 # Targets whose graphs also emit the folded greedy sampler's ``next_token`` (onnx_export.add_next_token).
-# Not tensorrt: its runners bind every output to a device buffer they know (runtime.device_state).
+# Not tensorrt: its runners bind every output to a device buffer they know (runtime.backends.device_state).
 NEXT_TOKEN_TARGETS = ("portable", "onnxruntime")
 
 

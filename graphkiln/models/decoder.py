@@ -5,7 +5,7 @@ The module tree uses one canonical set of parameter names (Llama's, with q/k/v f
 family maps Llama's unfused names to its checkpoint's names (``ModelFamily.source``) and
 ``sources.fused_source`` assembles the fused ones from them.
 The forward takes per-request state as plain tensors and returns only what changed; the
-runtime owns the state pools and writes the returned rows back (``graphkiln.runtime.state``).
+runtime owns the state pools and writes the returned rows back (``graphkiln.runtime.backends.state``).
 Cache position == token position: row b's token at position p lives at ``past_key[b, :, p]``.
 
 Graph contract (one graph serves prefill and decode):

@@ -4,14 +4,14 @@ of a Qwen2 decoder with multimodal rotary positions (M-RoPE).
 Text: ``text_config`` (transformers 5) or, in hub configs written by 4.x, the text keys at the top
 level, read by the Qwen2 family (no second implementation) with the vision seam on and
 ``mrope_section`` set, so the decoder graph takes ``rope_position_ids [3, batch, seq]``
-(``runtime.mrope`` computes them as transformers' ``get_rope_index``). The text attention's head
+(``runtime.request.mrope`` computes them as transformers' ``get_rope_index``). The text attention's head
 size is ``hidden_size / num_attention_heads`` whatever ``head_dim`` says, as in transformers.
 Checkpoint names: what ``save_pretrained`` writes (``model.*``, ``visual.*``, ``lm_head``) or the
 in-memory layout (``model.language_model.*``, ``model.visual.*``).
 
 Vision (``models.vision`` contract, ``models.qwen2_5_vl_vision``): the graph takes the processor's
 flattened patches plus the patch grid and attention groups the runtime computes from the images'
-grids (``runtime.vision_groups``), and returns one row per merge unit in text hidden size.
+grids (``runtime.backends.vision_groups``), and returns one row per merge unit in text hidden size.
 Refused rather than approximated: another ``in_channels`` than 3, a window smaller than one merge
 unit, a head size not divisible by 4 (the 2-D rotary splits it in quarters), a preprocessor whose
 patch / merge / temporal sizes differ from the tower's, sliding-window text layers, a text rope

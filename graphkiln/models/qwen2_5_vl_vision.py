@@ -3,7 +3,7 @@
 transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` computes its windows, rotary positions
 and attention segments from ``grid_thw`` with Python loops over images (``.tolist()``), which do
 not trace to a graph that takes any grid. This module computes the same function from inputs the
-runtime derives from the grids (``runtime.vision_groups``):
+runtime derives from the grids (``runtime.backends.vision_groups``):
 
 - patch embedding: the Conv3d whose kernel equals its stride over a processor row of
   ``C * t * p * p`` values is one MatMul with the kernel flattened in the same (C, t, p, p) order;
@@ -13,7 +13,7 @@ runtime derives from the grids (``runtime.vision_groups``):
   -> proj; RMSNorm -> gated MLP (with bias);
 - merger: RMSNorm, four consecutive rows (one merge unit) concatenated, Linear -> GELU -> Linear.
 
-Patches stay in the processor's order throughout (see ``runtime.vision_groups`` for why that is
+Patches stay in the processor's order throughout (see ``runtime.backends.vision_groups`` for why that is
 transformers' result without its window permutation), so output row k is merge unit k.
 """
 
@@ -168,7 +168,7 @@ class Qwen25VisionForExport(nn.Module):
         """(inputs, outputs, example args, dynamic shapes) for ``export.vision_export``."""
         from torch.export import Dim
 
-        from graphkiln.runtime.vision_groups import patch_groups, window_area
+        from graphkiln.runtime.backends.vision_groups import patch_groups, window_area
 
         w = self.patch_embed.proj.weight
         row = w[0].numel()
@@ -193,7 +193,7 @@ def _example_grids(merge: int, window: int, area: int) -> list[tuple[int, int, i
     """Two image grids whose dynamic sizes (patches, windows, images, largest image) are all
     different from each other, from 0 and 1 and from the static window area, so tracing keeps
     each axis a symbol of its own."""
-    from graphkiln.runtime.vision_groups import patch_groups
+    from graphkiln.runtime.backends.vision_groups import patch_groups
 
     for a in range(2, 12):
         for b in range(1, a):

@@ -11,7 +11,7 @@ whose forward is the vision graph contract:
     -> image_embeddings [images * tokens_per_image, text hidden]  (model dtype; image by image)
 
 A module whose graph takes other inputs (Qwen2.5-VL: flattened patches ``[patches, C*t*p*p]`` and
-the patch grid of ``runtime.vision_groups``) says so with a ``graph_io(hidden, dtype)`` method
+the patch grid of ``runtime.backends.vision_groups``) says so with a ``graph_io(hidden, dtype)`` method
 returning (input specs, output specs, example args, dynamic shapes); ``export.vision_export``
 traces it with those.
 

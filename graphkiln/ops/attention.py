@@ -17,7 +17,7 @@ which is transformers' OR(causal, same image) mask)
      present_key.i / present_value.i): past with row b's S new rotated keys / values written
      at positions position_ids[b, s] (positions >= C are skipped). TensorRT's plugin aliases
      them to past_key / past_value and writes the rows in place; onnxruntime, running the
-     function below with them bound to the past_* buffers (``graphkiln.runtime.decoder``),
+     function below with them bound to the past_* buffers (``graphkiln.runtime.backends.ort_cpu``),
      does the same (ScatterElements writes into its input's buffer when they alias, without
      copying the cache).
 

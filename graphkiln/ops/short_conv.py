@@ -8,7 +8,7 @@ state_pool [slots, C, K-1], slot_idx [B] (row b's slot), seq_lens [B] (row b's r
   1: new_state [slots, C, K-1], the whole pool with row slot_idx[b] replaced by row b's new
      state (other slots unchanged). TensorRT's plugin aliases it to state_pool and writes the
      rows in place; onnxruntime runs the function's ScatterND into the pool's own buffer when
-     the runtime binds new_state to it (``graphkiln.runtime.decoder``).
+     the runtime binds new_state to it (``graphkiln.runtime.backends.ort_cpu``).
 
 State convention: a slot holds the last K-1 *inputs* of the convolution, oldest first —
 the minimum that determines future outputs, and what onnxruntime's CausalConvWithState

@@ -90,7 +90,7 @@ class TokenEvent:
 
     ``text`` is the text this token made final (may be empty while a multi-byte character
     or a possible stop string is pending). ``finish_reason`` is set on a request's last event.
-    ``token_id`` is -1 (``runtime.scheduler.NO_TOKEN``) on an event that carries no token: the
+    ``token_id`` is -1 (``runtime.request.request_state.NO_TOKEN``) on an event that carries no token: the
     last event of a request cancelled through the scheduler (finish_reason "cancelled").
     """
 

@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.requests import GenerationConfig, TokenEvent
-from graphkiln.runtime.tokenizer import IncrementalDetokenizer
+from graphkiln.runtime.request.tokenizer import IncrementalDetokenizer
 from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, LaneFull, Lanes, chars_per_token_bound, min_tokens
@@ -99,7 +99,7 @@ class ServerState:
         self.scheduler, self.engine, self.options = scheduler, engine, options
         self.metrics = ServerMetrics(scheduler.stats)
         files = tuple(engine.manifest.tokenizer_files)
-        self.tokenizer = engine.tokenizer  # encodes with the GIL released (runtime.tokenizer)
+        self.tokenizer = engine.tokenizer  # encodes with the GIL released (runtime.request.tokenizer)
         self.chars_per_token = chars_per_token_bound(self.tokenizer.backend) if self.tokenizer is not None else None
         self.chat = ChatTemplate.load(engine.artifact_dir, files, tokenizer=self.tokenizer)
         self.lanes = Lanes(options.big_lane_bytes)
@@ -441,7 +441,7 @@ def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None) -> G
 
 def _submit(state: ServerState, prompt, config: GenerationConfig, param: str):
     """``Scheduler.submit`` (in a lane worker) with its refusals as ApiErrors."""
-    from graphkiln.runtime.scheduler import QueueFull, ShuttingDown
+    from graphkiln.runtime.request.scheduler import QueueFull, ShuttingDown
 
     _check_open(state)
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.runtime.tokenizer import Tokenizer
+from graphkiln.runtime.request.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"

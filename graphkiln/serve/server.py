@@ -40,7 +40,7 @@ class ServeConfig:
     drain_s: float = 30.0
     expect_digest: str | None = None
     target: str | None = None
-    distributed: object = None  # "ray" or a runtime.distributed.RayOptions: a staged artifact's stages as Ray actors
+    distributed: object = None  # "ray" or a runtime.backends.distributed.RayOptions: a staged artifact's stages as Ray actors
     log_level: str = "info"
 
 
@@ -116,7 +116,7 @@ def make_server(scheduler, engine, app_options, *, drain_s: float = 30.0, log_le
 
 def serve(cfg: ServeConfig) -> int:
     from graphkiln.runtime import Engine
-    from graphkiln.runtime.scheduler import Scheduler
+    from graphkiln.runtime.request.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
 
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load

@@ -5,7 +5,7 @@ Plain code (no TensorRT), so that what an engine admits is decided and tested on
 Sizes. An engine is built for ``B = max_batch`` live requests of up to ``L = max_seq_len``
 tokens each. The runner that serves it owns state pools sized exactly that once, for the
 engine's life: KV ``[slots=B, kv_heads, L, head_dim]`` per attention layer, conv
-``[slots=B, channels, width]`` per conv layer (``graphkiln.runtime.state``'s layouts), at fixed
+``[slots=B, channels, width]`` per conv layer (``graphkiln.runtime.backends.state``'s layouts), at fixed
 device addresses (CUDA-graph replay needs them fixed). It binds, for a step over the ``n``
 live slots ``0..n-1`` (``1 <= n <= B``):
 
@@ -65,7 +65,7 @@ class BuildSizes:
 def tensorrt_graph(manifest: Manifest) -> GraphSpec:
     """The tensorrt-target decoder graph, the only one TensorRT engines are built from.
 
-    A pipeline-staged artifact is refused: no TensorRT runner chains stages (runtime.stages runs
+    A pipeline-staged artifact is refused: no TensorRT runner chains stages (runtime.backends.stages runs
     them on onnxruntime only), so engines of its stage graphs would be files nothing runs."""
     if manifest.stages:
         raise GraphkilnError(f"artifact is pipeline-staged ({len(manifest.stages)} stage graphs): graphkiln build makes "

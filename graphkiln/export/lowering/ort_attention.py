@@ -13,7 +13,7 @@ only in the KV cache:
     in-graph from it and ``position_ids``;
   * inputs gain ``total_sequence_length``, an int32 scalar (role ``total_sequence_length``),
     fed straight into every GQA node: the runtime computes it on the host (the batch's
-    ``max(start + seq_lens)``, ``runtime.decoder.total_sequence_length``). onnxruntime's CUDA
+    ``max(start + seq_lens)``, ``runtime.backends.ort_cpu.total_sequence_length``). onnxruntime's CUDA
     GQA reads it in host memory, so computing it in the graph (on the device) made onnxruntime
     copy it to the host inside every step, which CUDA-graph capture refuses;
   * ``new_key.i`` / ``new_value.i`` outputs become ``present_key.i`` / ``present_value.i``

@@ -2,7 +2,7 @@
 
 ``open_staged`` gives the ``Engine`` what ``runtime.backends.open_backend`` gives it for a
 single-graph artifact: a step runner (``StagedDecoder``: same ``run`` signature and outputs as
-``runtime.decoder.DecoderGraph``) and a pool (``StagedPool``: same slot API as ``StatePool``).
+``runtime.backends.ort_cpu.DecoderGraph``) and a pool (``StagedPool``: same slot API as ``StatePool``).
 Each step runs the stages in order in this process, the hidden states of stage k feeding
 stage k+1.
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec, Manifest
-from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
+from graphkiln.runtime.backends.state import StatePool
 
 
 def open_stage_graph(artifact_dir: Path, spec: GraphSpec, threads: int | None) -> DecoderGraph:
@@ -86,7 +86,7 @@ def merged_spec(specs: list[GraphSpec]) -> GraphSpec:
     """The stages' graphs seen as one decoder graph (what the Engine reads from ``spec``): the
     first stage's inputs plus any later stage's own non-state inputs, every stage's state
     tensors, the last stage's outputs. Shared by the chained runner and the Ray driver
-    (runtime.distributed)."""
+    (runtime.backends.distributed)."""
     first, last = specs[0], specs[-1]
     inputs = [t for t in first.inputs if t.layer is None]
     for spec in specs[1:]:

@@ -64,9 +64,9 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
 from graphkiln.manifest import GraphSpec, Manifest, is_pool_output
-from graphkiln.runtime.cuda_graphs import DecodePadding, GraphCache, GraphKey, bucket_for, decode_buckets
-from graphkiln.runtime.decoder import total_sequence_length
-from graphkiln.runtime.device_state import CudaMemory, DeviceMemory, DevicePool, HostMemory
+from graphkiln.runtime.backends.cuda_graphs import DecodePadding, GraphCache, GraphKey, bucket_for, decode_buckets
+from graphkiln.runtime.backends.ort_cpu import total_sequence_length
+from graphkiln.runtime.backends.device_state import CudaMemory, DeviceMemory, DevicePool, HostMemory
 
 CUDA_EP = "CUDAExecutionProvider"
 # The cuda extra in pyproject.toml installs exactly this (a test keeps the two equal); it is built
@@ -509,7 +509,7 @@ def open_onnxruntime_cuda(artifact_dir: Path, manifest: Manifest, spec: GraphSpe
     the CUDA EP (naming the nodes), a manifest that disagrees with its graph."""
     import onnxruntime as ort
 
-    from graphkiln.runtime.decoder import check_io
+    from graphkiln.runtime.backends.ort_cpu import check_io
 
     require_cuda_provider(ort.get_available_providers())
     check_graph(spec)
@@ -543,7 +543,7 @@ def open_on_host(artifact_dir: Path, manifest: Manifest, spec: GraphSpec, thread
     the padding, binding and pool bookkeeping against ``DecoderGraph`` + ``StatePool``."""
     import onnxruntime as ort
 
-    from graphkiln.runtime.decoder import check_io
+    from graphkiln.runtime.backends.ort_cpu import check_io
 
     check_graph(spec)
     session = ort.InferenceSession(str(artifact_dir / spec.file), _session_options(ort, threads, record=False),

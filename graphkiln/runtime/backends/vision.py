@@ -97,9 +97,9 @@ class VisionEncoder:
     def __init__(self, artifact_dir: Path, spec: VisionSpec, graph: GraphSpec, threads: int | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, run_graph: Callable[[dict], np.ndarray] | None = None) -> None:
         """``run_graph``: feeds -> the graph's image_embeddings, when the vision graph runs
-        elsewhere (a staged artifact's first-stage Ray actor, ``runtime.distributed``); None opens
+        elsewhere (a staged artifact's first-stage Ray actor, ``runtime.backends.distributed``); None opens
         the graph here. Preprocessing and the cache stay in this process either way."""
-        from graphkiln.runtime.decoder import cpu_session, numpy_dtype
+        from graphkiln.runtime.backends.ort_cpu import cpu_session, numpy_dtype
 
         self.spec, self.graph = spec, graph
         self.cache = EmbeddingCache(cache_bytes)
@@ -167,7 +167,7 @@ class VisionEncoder:
         if self._grid is not None:
             feeds[self._grid] = pre.image_grid_thw
         if self._groups:  # a windowed tower's patch grid and attention groups
-            from graphkiln.runtime.vision_groups import patch_groups
+            from graphkiln.runtime.backends.vision_groups import patch_groups
 
             groups = patch_groups(pre.grids, self.spec.preprocessing.merge_size, self._window)
             feeds.update({name: groups[role] for role, name in self._groups.items()})
@@ -191,9 +191,9 @@ class VisionEncoder:
 
 
 def _group_inputs(graph: GraphSpec, spec: VisionSpec) -> tuple[dict[str, str], int]:
-    """The vision graph's ``runtime.vision_groups`` inputs (role -> input name) and the window (in
+    """The vision graph's ``runtime.backends.vision_groups`` inputs (role -> input name) and the window (in
     merge units) its static ``window_groups`` width implies; ({}, 0) for a graph without them."""
-    from graphkiln.runtime.vision_groups import GROUP_ROLES, window_from_area
+    from graphkiln.runtime.backends.vision_groups import GROUP_ROLES, window_from_area
 
     names = {t.role: t.name for t in graph.inputs if t.role in GROUP_ROLES}
     if not names:

@@ -1,6 +1,6 @@
 """A pipeline-staged artifact run with each stage in its own Ray actor (``distributed="ray"``).
 
-The unit is the in-process one (``runtime.stages``): a stage is a ``DecoderGraph`` plus a
+The unit is the in-process one (``runtime.backends.stages``): a stage is a ``DecoderGraph`` plus a
 ``StatePool`` over only its own states, addressed by slot. Here each stage lives in a Ray actor
 (``StageWorker``) that opens only the manifest and its stage's files (``StageSpec.files``,
 checked against their sha256) and allocates only its own pools; the driver in the Engine's
@@ -54,7 +54,7 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
-from graphkiln.runtime.state import PackedSlots
+from graphkiln.runtime.backends.state import PackedSlots
 
 INSTALL_HINT = "pip install 'graphkiln[distributed]'"
 RESTART_WAIT_S = 120.0  # how long a restarting stage actor may take to answer before it counts as gone
@@ -137,9 +137,9 @@ class StageWorker:
     def __init__(self, artifact_dir: str, index: int, digest: str, threads: int | None, target: str | None) -> None:
         from graphkiln.artifact import graph_external_data, sha256_file
         from graphkiln.manifest import artifact_file
-        from graphkiln.runtime.decoder import numpy_dtype
-        from graphkiln.runtime.stages import open_stage_graph
-        from graphkiln.runtime.state import StatePool
+        from graphkiln.runtime.backends.ort_cpu import numpy_dtype
+        from graphkiln.runtime.backends.stages import open_stage_graph
+        from graphkiln.runtime.backends.state import StatePool
 
         root = Path(artifact_dir)
         manifest, _ = Manifest.read_with_digest(root, digest)
@@ -164,7 +164,7 @@ class StageWorker:
         self.vision_session = self.vision_output = None
         self.vision_runs = 0
         if index == 0 and manifest.vision is not None:  # the vision graph belongs to the first stage
-            from graphkiln.runtime.decoder import cpu_session
+            from graphkiln.runtime.backends.ort_cpu import cpu_session
 
             vision = manifest.graph_for("vision", "onnxruntime")
             for rel in graph_external_data(root, vision.file):
@@ -214,7 +214,7 @@ class StageWorker:
         self.pool.scrub(slot)
 
     def run_vision(self, expect: str, feeds: dict) -> np.ndarray:
-        """The vision graph over preprocessed ``feeds`` (the first stage's, ``runtime.vision``)."""
+        """The vision graph over preprocessed ``feeds`` (the first stage's, ``runtime.backends.vision``)."""
         self._check(expect)
         if self.vision_session is None:
             raise RuntimeError(f"stage {self.index} has no vision graph")
@@ -525,7 +525,7 @@ class RayStagedDecoder:
     """``DecoderGraph``'s ``spec`` and ``run`` over the stage actors (see the module docstring)."""
 
     def __init__(self, pipeline: _Pipeline) -> None:
-        from graphkiln.runtime.stages import merged_spec
+        from graphkiln.runtime.backends.stages import merged_spec
 
         self.pipeline = pipeline
         self.spec = merged_spec([info["spec"] for info in pipeline.infos])

@@ -1,7 +1,7 @@
 """Device state: the one device pool both GPU backends use, the memory it lives in, and the
 TensorRT runner's step I/O buffers.
 
-``DevicePool`` keeps ``StatePool``'s contract (``runtime.state``: reserve / claim / release,
+``DevicePool`` keeps ``StatePool``'s contract (``runtime.backends.state``: reserve / claim / release,
 live slots packed ``0..live-1``, a release moves the last live slot's rows into the hole and
 reports the move, a claimed slot's conv rows zeroed: ``PackedSlots`` holds those rules) over
 buffers in a ``DeviceMemory``. A captured CUDA graph holds the buffers' addresses, so they are
@@ -47,8 +47,8 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec, StateSpec, TensorSpec, is_pool_output
 from graphkiln.memory import available_memory
-from graphkiln.runtime.cuda_graphs import bucket_for
-from graphkiln.runtime.state import PackedSlots
+from graphkiln.runtime.backends.cuda_graphs import bucket_for
+from graphkiln.runtime.backends.state import PackedSlots
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
 _IO_ROLES = ("input_ids", "position_ids", "logits_index", "seq_lens", "slot_idx")
@@ -170,7 +170,7 @@ class HostMemory:
 
     def view(self, buf: DeviceBuffer) -> np.ndarray:
         """A numpy view of ``buf`` (inspection and tests)."""
-        from graphkiln.runtime.decoder import numpy_dtype
+        from graphkiln.runtime.backends.ort_cpu import numpy_dtype
 
         base = self._base(buf.address, buf.nbytes)
         start = buf.address - base

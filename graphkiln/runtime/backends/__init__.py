@@ -39,10 +39,10 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
                  target: str | None = None, distributed=None, manifest_digest: str | None = None):
     """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
     lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``).
-    ``distributed`` ("ray" or a ``runtime.distributed.RayOptions``): a staged artifact's stages
-    each in a Ray actor (``runtime.distributed``) instead of chained in this process."""
+    ``distributed`` ("ray" or a ``runtime.backends.distributed.RayOptions``): a staged artifact's stages
+    each in a Ray actor (``runtime.backends.distributed``) instead of chained in this process."""
     if distributed is not None:
-        from graphkiln.runtime.distributed import check_distributed, import_ray, open_ray
+        from graphkiln.runtime.backends.distributed import check_distributed, import_ray, open_ray
 
         options = check_distributed(distributed)
         if (backend, device) != ("onnxruntime", "cpu"):
@@ -51,23 +51,23 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
         import_ray()  # before anything else: the missing extra is the one line to give
         return open_ray(artifact_dir, manifest, manifest_digest, threads, target, options)
     if manifest.vision is not None and (backend, device) != ("onnxruntime", "cpu"):
-        # the GPU runners bind no vision seam yet (runtime.trt_runner, runtime.ort_cuda)
+        # the GPU runners bind no vision seam yet (runtime.backends.trt_runner, runtime.backends.ort_cuda)
         raise GraphkilnError(f"vision-language artifacts run on onnxruntime on the CPU only for now, not {backend} on "
                              f"{device}: load it without backend/device")
-    if manifest.stages:  # one graph per slice of layers, chained in this process (runtime.stages)
-        from graphkiln.runtime.stages import open_staged
+    if manifest.stages:  # one graph per slice of layers, chained in this process (runtime.backends.stages)
+        from graphkiln.runtime.backends.stages import open_staged
 
         return open_staged(artifact_dir, manifest, backend, device, threads, target)
     spec = manifest.graph("decoder", target) if target else manifest.graph_for("decoder", backend)
     if backend == "onnxruntime" and device == "cpu":
-        from graphkiln.runtime.decoder import DecoderGraph, numpy_dtype
-        from graphkiln.runtime.state import StatePool
+        from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
+        from graphkiln.runtime.backends.state import StatePool
 
         return DecoderGraph(artifact_dir, spec, threads), StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype))
     if backend == "onnxruntime":
-        from graphkiln.runtime.ort_cuda import open_onnxruntime_cuda
+        from graphkiln.runtime.backends.ort_cuda import open_onnxruntime_cuda
 
         return open_onnxruntime_cuda(artifact_dir, manifest, spec, threads)
-    from graphkiln.runtime.trt_runner import open_tensorrt
+    from graphkiln.runtime.backends.trt_runner import open_tensorrt
 
     return open_tensorrt(artifact_dir, manifest, spec)

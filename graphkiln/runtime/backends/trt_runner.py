@@ -50,9 +50,9 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import EngineSpec, GraphSpec, Manifest, open_artifact_file
-from graphkiln.runtime.cuda_graphs import (CaptureFailed, DecodePadding, GraphCache, GraphKey, WarmupReport,
+from graphkiln.runtime.backends.cuda_graphs import (CaptureFailed, DecodePadding, GraphCache, GraphKey, WarmupReport,
                                            bucket_for, decode_buckets, probe_inputs, warm_up)
-from graphkiln.runtime.device_state import (CudaMemory, DevicePool, StepBinding, StepBuffers, bind_step, check_in_place,
+from graphkiln.runtime.backends.device_state import (CudaMemory, DevicePool, StepBinding, StepBuffers, bind_step, check_in_place,
                                             cuda_call, io_roles, step_arrays)
 
 INSTALL = "backend tensorrt needs TensorRT 11 and cuda-python: pip install 'graphkiln[tensorrt]'"

@@ -50,7 +50,7 @@ def rope_positions(prompt_len: int, spans: Sequence[tuple[int, int]], grids: Seq
 
 def with_rope_positions(layout, ids: Sequence[int], images: Sequence, vision_spec):
     """``layout`` (``runtime.prompt_layout.PromptLayout``) with the request's M-RoPE positions and
-    ``rope_delta``; ``images`` are the request's ``runtime.vision.ImageInput`` in prompt order
+    ``rope_delta``; ``images`` are the request's ``runtime.backends.vision.ImageInput`` in prompt order
     (each carrying its grid), ``vision_spec`` the manifest's ``VisionSpec``."""
     if len(images) != len(layout.image_spans):
         raise GraphkilnError(f"{len(images)} images for {len(layout.image_spans)} image spans: report this")

@@ -16,7 +16,7 @@ finishes, fails or is cancelled. Live slots are kept packed as ``0..live-1``: a
 release moves the last live slot's rows into the hole and reports the move, so the live
 batch is always the prefix ``[:live]`` of every buffer — a contiguous view at a fixed
 address, passed to the graph without copying, which is also what CUDA-graph replay needs.
-The scheduler (``runtime.scheduler``) also runs a sub-range ``[first, first+n)`` of the live
+The scheduler (``runtime.request.scheduler``) also runs a sub-range ``[first, first+n)`` of the live
 slots (``kv_views(n, first)``), and releases with ``release_keeping_tail`` so that a request
 mid-prefill keeps the last slot; a failed request's slot is ``scrub``bed before release.
 """
@@ -75,7 +75,7 @@ class PackedSlots:
 
     def release_keeping_tail(self, slot: int, tail: int = 0) -> list[tuple[int, int]]:
         """Free ``slot`` while the last ``tail`` live slots stay the last ones (the scheduler's
-        request mid-prefill: ``runtime.scheduler``); returns the moves made, ``(old, new)`` slot
+        request mid-prefill: ``runtime.request.scheduler``); returns the moves made, ``(old, new)`` slot
         indices in order. ``tail`` 0 is ``release``. The slot must not be in the tail."""
         if not 0 <= slot < self.live - tail:
             raise RuntimeError(f"{type(self).__name__}.release of slot {slot} that is not live outside the last {tail}")

@@ -1,8 +1,8 @@
 """Backend-independent CUDA-graph bookkeeping for decode steps: buckets, padding, graph keys,
 the captured-graph cache with its fallback rule, and warm-up probe slots.
 
-Nothing here imports a GPU library; the TensorRT runner (``runtime.trt_runner``) and the
-onnxruntime CUDA runner (``runtime.ort_cuda``) own the handles and the CUDA calls.
+Nothing here imports a GPU library; the TensorRT runner (``runtime.backends.trt_runner``) and the
+onnxruntime CUDA runner (``runtime.backends.ort_cuda``) own the handles and the CUDA calls.
 
 Why buckets. A captured CUDA graph replays fixed kernels over fixed shapes and fixed device
 addresses, so one graph serves one batch size. Rather than one graph per size (TensorRT
@@ -13,7 +13,7 @@ engine's maximum batch. Cost: up to ``2x`` the rows of a batch in the worst case
 ``log2(max_batch) + 1`` graphs; a decode step is bound by reading the weights, which padding
 rows do not add to.
 
-Padding rows and the state pool (``runtime.state``'s contract, which the device pools keep):
+Padding rows and the state pool (``runtime.backends.state``'s contract, which the device pools keep):
 live slots are packed ``0..live-1`` and slots ``live..bucket-1`` are free, so a padding row
 may read and write the state rows of its slot: a slot's conv rows are zeroed when it is
 claimed, and its KV rows are written before they are read. A padding row holds token
@@ -40,7 +40,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from graphkiln.runtime.state import PAD_ID
+from graphkiln.runtime.backends.state import PAD_ID
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
 from graphkiln.manifest import GraphSpec, is_pool_output
 from graphkiln.runtime.prompt_layout import needed_roles, pack
-from graphkiln.runtime.state import StatePool
+from graphkiln.runtime.backends.state import StatePool
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -1,0 +1,378 @@
+"""Serving one Engine to many callers: ``Scheduler`` (a stepping thread driving
+``request.step.StepBatch`` over requests submitted from any thread) and ``RequestHandle``
+(one submitted request, as its submitter sees it)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.request.commit import finish_cancelled
+from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState, make_request, result_of  # noqa: F401
+from graphkiln.runtime.request.step import Plan, StepBatch
+from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
+
+if TYPE_CHECKING:
+    from graphkiln.runtime.engine import Engine
+
+class QueueFull(GraphkilnError):
+    """``submit`` while ``max_queue`` requests are already waiting for a slot."""
+
+
+class ShuttingDown(GraphkilnError):
+    """``submit`` after ``shutdown`` began (or after the scheduler stopped)."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A consistent snapshot: ``queued`` requests wait for a slot, ``running`` hold one;
+    ``prompt_tokens`` / ``generated_tokens`` are totals since the scheduler was made (prompt
+    tokens counted when prefilled, image placeholder tokens included)."""
+
+    queued: int
+    running: int
+    free_slots: int
+    total_slots: int
+    prompt_tokens: int
+    generated_tokens: int
+
+
+class RequestHandle:
+    """One submitted request, as its submitter sees it; safe to use from any thread.
+
+    Events are kept, so ``events``/``aevents`` may be called more than once (each replays from
+    the first event) and ``result`` after them. The last event has a ``finish_reason``: "stop",
+    "length" or "cancelled". An event with ``token_id`` -1 (``NO_TOKEN``) carries no token: a
+    cancellation's, or the only event of a request with nothing to generate (max_new_tokens 0 or
+    a prompt that fills the maximum sequence length). A request that fails
+    (a broken artifact's NaN logits, a runner error) ends without one and its ``error`` (a
+    GraphkilnError) is raised by ``events``, ``aevents`` and ``result``."""
+
+    def __init__(self, scheduler: "Scheduler", request: RequestState) -> None:
+        self.id: int = request.index
+        self.prompt_ids: list[int] = request.prompt_ids  # the ids the model sees (image tokens expanded)
+        self._scheduler = scheduler
+        self._request = request
+        self._events: list[TokenEvent] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._async: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With ``GenerationConfig.prompt_logprobs``: as ``GenerationResult.prompt_logprobs``,
+        complete once the request's first event has arrived (its prefill is over by then)."""
+        r = self._request
+        return list(r.prompt_logprobs) if r.cfg.prompt_logprobs is not None else None
+
+    # called by the stepping thread
+    def _deliver(self, events: list[TokenEvent], done: bool, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._events.extend(events)
+            self._done = done
+            self._error = error
+            self._cond.notify_all()
+            targets = list(self._async)
+            item = (len(self._events), done, error)
+        for loop, queue in targets:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: it is gone
+                self._forget(loop, queue)
+
+    def _forget(self, loop, queue) -> None:
+        with self._cond:
+            if (loop, queue) in self._async:
+                self._async.remove((loop, queue))
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Yield the request's events as they come, blocking; ends after the one with a
+        finish_reason, or raises the request's error. ``timeout``: the longest wait for one
+        event, in seconds (then TimeoutError; the request keeps running)."""
+        at = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._events) > at or self._done, timeout):
+                    raise TimeoutError(f"request {self.id} produced no event within {timeout} s")
+                new = self._events[at:]
+                done, error = self._done, self._error
+            at += len(new)
+            yield from new
+            if done and at >= len(self._events):
+                if error is not None:
+                    raise error
+                return
+
+    async def aevents(self) -> AsyncIterator[TokenEvent]:
+        """``events`` for asyncio: the stepping thread wakes this loop with
+        ``call_soon_threadsafe``; no thread waits per request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            self._async.append((loop, queue))
+            queue.put_nowait((len(self._events), self._done, self._error))
+        at = 0
+        try:
+            while True:
+                count, done, error = await queue.get()
+                with self._cond:
+                    new = self._events[at:count]
+                at += len(new)
+                for ev in new:
+                    yield ev
+                if done and at >= count:
+                    if error is not None:
+                        raise error
+                    return
+        finally:
+            self._forget(loop, queue)
+
+    def cancel(self) -> None:
+        """Ask the request to stop (idempotent, any thread): it leaves at the next step boundary,
+        freeing its slot, and its events end with finish_reason "cancelled" (unless it finished
+        first). A queued request is dropped without running."""
+        self._request.cancel_requested = True
+        self._scheduler._wake()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait until the request ends (at most ``timeout`` seconds, then TimeoutError) and return
+        its result; raises its error if it failed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done, timeout):
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+            if self._error is not None:
+                raise self._error
+        return result_of(self._request)
+
+
+class Scheduler:
+    """Serves one Engine to many callers: ``submit`` from any thread, one background stepping
+    thread (``start``) runs the continuous batch (module docstring).
+
+    Lifecycle: made (holds the engine: its ``generate``/``stream`` refuse meanwhile), ``start``
+    (sizes the state pool: ``max_batch`` slots x the artifact's maximum sequence length),
+    ``submit``..., ``shutdown`` (stops admitting, drains until the deadline, cancels the rest,
+    joins the thread, frees the pool's slots and the engine). A failing request (NaN logits,
+    a runner error) fails alone; its slot is freed and the others go on."""
+
+    def __init__(self, engine: "Engine", *, max_queue: int = 64, max_batch: int | None = None,
+                 step_tokens: int = 256) -> None:
+        """Refuses (GraphkilnError) bad limits and an engine already in use. Each refusal names the
+        limit both as ``graphkiln serve`` spells it and as this constructor does (--max-batch/max_batch)."""
+        if not (_is_int(max_queue) and max_queue >= 1):
+            raise GraphkilnError(f"--max-queue/max_queue must be an integer >= 1, got {max_queue!r}")
+        if max_batch is not None and not (_is_int(max_batch) and max_batch >= 1):
+            raise GraphkilnError(f"--max-batch/max_batch must be an integer >= 1, got {max_batch!r}: omit it for the "
+                                 "default")
+        if not (_is_int(step_tokens) and step_tokens >= 2):
+            raise GraphkilnError(f"--step-tokens/step_tokens must be an integer >= 2, got {step_tokens!r}")
+        if max_batch is not None and step_tokens <= max_batch:
+            # each step spends one token per decoding request, so a full batch needs one more for prefill
+            raise GraphkilnError(f"--max-batch/max_batch {max_batch} needs --step-tokens/step_tokens above it (each "
+                                 "step spends one token per generating request and the rest on prefill), got "
+                                 f"{step_tokens}: pass --step-tokens {max_batch + 1} or more, or a smaller --max-batch")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.step_tokens = step_tokens
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting: deque[RequestState] = deque()
+        self._next_id = 0
+        self._stopping = False  # no more submits (shutdown began, or the stepping thread ended)
+        self._shut = False  # shutdown was called (the engine is released once)
+        self._deadline: float | None = None
+        self._thread: threading.Thread | None = None
+        engine.hold()  # refuses an engine already in use
+        self._batch = StepBatch(engine.prep, engine.decoder, engine.pool, step_tokens=step_tokens,
+                             joinable=_takes(engine.decoder.run, "first_slot"))
+        self._total_slots = 0
+
+    def start(self) -> None:
+        """Size the pool and start the stepping thread (once). The default ``max_batch`` is 16
+        (less than ``step_tokens``), halved until the pool fits in available memory; an explicit
+        one that does not fit is a GraphkilnError."""
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                raise GraphkilnError("this Scheduler was already started: make a new one")
+        pool = self.engine.pool
+        capacity = self.engine.max_seq_len
+        if self.max_batch is not None:
+            try:
+                pool.reserve(self.max_batch, capacity)
+            except GraphkilnError as exc:  # the pool speaks of "the batch size": name the limit that was set
+                raise GraphkilnError(f"--max-batch/max_batch {self.max_batch} does not fit in memory ({exc}): pass a "
+                                     "smaller --max-batch, or omit it to fit the default") from None
+        else:
+            slots = min(16, self.step_tokens - 1)  # each decoding request spends a token of every step
+            while True:
+                try:
+                    pool.reserve(slots, capacity)
+                    break
+                except GraphkilnError:
+                    if slots == 1:
+                        raise
+                    slots //= 2
+        self._total_slots = pool.slots
+        self._thread = threading.Thread(target=self._loop, name="graphkiln-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, config: GenerationConfig | None = None, *, images=None) -> RequestHandle:
+        """Queue one prompt (text or token ids; ``images`` its images as for ``Engine.generate``).
+        Validation happens here, synchronously (GraphkilnError, one line); nothing here waits
+        for the model. Raises QueueFull when ``max_queue`` requests wait, ShuttingDown once
+        ``shutdown`` began."""
+        with self._lock:
+            self._check_open()
+        engine = self.engine
+        cfg, params = engine.prep.resolve(config)
+        [prepared] = engine.prep.prepare([prompt], images, single=True)
+        with self._lock:
+            self._check_open()
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting): retry later")
+            index = self._next_id
+            self._next_id += 1
+            r = make_request(engine.prep, 0, prepared, cfg, params)
+            r.index = index
+            handle = r.handle = RequestHandle(self, r)
+            if not r.runs:  # nothing to generate or score: it ends without running
+                r.finish_reason = "length"
+                handle._deliver([TokenEvent(index, NO_TOKEN, "", None, "length")], True)
+                return handle
+            self._waiting.append(r)
+            self._cond.notify_all()
+        return handle
+
+    def _check_open(self) -> None:
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down and takes no new requests: retry on another instance")
+
+    def stats(self) -> SchedulerStats:
+        """A consistent snapshot (taken under the scheduler's lock)."""
+        with self._lock:
+            b = self._batch
+            return SchedulerStats(queued=len(self._waiting), running=len(b.rows),
+                                  free_slots=self._total_slots - len(b.rows), total_slots=self._total_slots,
+                                  prompt_tokens=b.prompt_tokens, generated_tokens=b.generated_tokens)
+
+    def shutdown(self, deadline_s: float) -> None:
+        """Stop admitting; queued and running requests go on until they end or ``deadline_s``
+        seconds pass, then are cancelled; joins the stepping thread and frees the engine.
+        Idempotent."""
+        with self._lock:
+            first = not self._shut
+            self._shut = self._stopping = True
+            if self._deadline is None or time.monotonic() + deadline_s < self._deadline:
+                self._deadline = time.monotonic() + max(0.0, deadline_s)
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        elif first:
+            self._cancel_all_queued()
+        if first:
+            self.engine.unhold()
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._cond.notify_all()
+
+    # -- the stepping thread ------------------------------------------------------------------
+
+    def _cancel_all_queued(self) -> None:
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+        for r in queued:
+            finish_cancelled(r)
+            self._hand_over(r)
+
+    def _loop(self) -> None:
+        b = self._batch
+        try:
+            while True:
+                with self._lock:
+                    while not (self._waiting or b.rows) and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and self._deadline is not None and time.monotonic() >= self._deadline:
+                        for r in list(self._waiting) + b.rows:
+                            r.cancel_requested = True
+                    if self._stopping and not (self._waiting or b.rows):
+                        return
+                    plan = b.plan(self._waiting)
+                for r in plan.cancelled:
+                    self._hand_over(r)
+                try:
+                    if plan.prefill:
+                        self._encode_new(plan)
+                    stepped = b.execute(plan)
+                except Exception as exc:  # the runner failed: this step's requests fail, others are not in it
+                    err = exc if isinstance(exc, GraphkilnError) else GraphkilnError(
+                        f"the decoder failed ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
+                        "the request was dropped; if this repeats, re-export the artifact or lower max_batch")
+                    stepped = []
+                    for r in plan.decode + plan.prefill:
+                        if r.finish_reason is None:
+                            r.error, r.finish_reason = err, "error"
+                        stepped.append(r)
+                with self._lock:
+                    b.retire()
+                for r in stepped:
+                    self._hand_over(r)
+        finally:
+            with self._lock:
+                self._stopping = True  # also after a bug ended the loop: submit must not queue for no one
+                rest = list(self._waiting) + list(b.rows)
+                self._waiting.clear()
+                b.release_all()
+            for r in rest:
+                if r.finish_reason is None:
+                    finish_cancelled(r)
+                self._hand_over(r)
+
+    def _encode_new(self, plan: Plan) -> None:
+        """Image rows of the requests this step starts (vision graph or cache), before they run;
+        a request whose images fail leaves without running."""
+        new = [r for r in plan.prefill if r.images and r.done == 0]
+        if not new:
+            return
+        for r in new:
+            try:
+                self.engine.prep.encode_images([r])
+            except Exception as exc:
+                err = exc if isinstance(exc, GraphkilnError) else GraphkilnError(
+                    f"encoding the images failed ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
+                    "check the images")
+                r.error, r.finish_reason = err, "error"
+        failed = [r for r in plan.prefill if r.error is not None]
+        if failed:
+            # released now, so the rest of the group stays contiguous after the decode rows
+            # (a release moves the last slot into the hole: the group's order may change)
+            end_of = {id(r): e for r, e in zip(plan.prefill, plan.ends)}
+            with self._lock:
+                self._batch.retire()
+                plan.prefill = self._batch.rows[len(plan.decode):]
+            plan.ends = [end_of[id(r)] for r in plan.prefill]
+            for r in failed:
+                self._hand_over(r)
+
+    def _hand_over(self, r: RequestState) -> None:
+        """Pass r's new events (and its end) to its handle."""
+        events, r.events = r.events, []
+        if r.handle is not None:
+            r.handle._deliver(events, r.finish_reason is not None, r.error)
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
