@@ -18,7 +18,8 @@ from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.backends.ort_cpu import numpy_dtype
 from graphkiln.runtime.backends.state import PAD_ID
 from graphkiln.runtime.backends.vision import DEFAULT_CACHE_BYTES, VisionEncoder
-from graphkiln.runtime.request.prepare import Prepared, Preparer, Prompt
+from graphkiln.runtime.request.prefix import DEFAULT_BLOCK_SIZE, open_prefix_cache
+from graphkiln.runtime.request.prepare import Prepared, Preparer, Prompt, takes
 from graphkiln.runtime.request.request_state import NonFiniteLogitsError  # noqa: F401  (raised by generate/stream: importable here)
 from graphkiln.runtime.request.request_state import RequestState, make_request, result_of
 from graphkiln.runtime.request.step import StepBatch
@@ -54,7 +55,9 @@ class Engine:
 
     def __init__(self, artifact_dir: Path, manifest: Manifest, threads: int | None = None, *,
                  manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
-                 target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES, distributed=None) -> None:
+                 target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES, distributed=None,
+                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
@@ -88,6 +91,9 @@ class Engine:
         if manifest.vision is not None:
             seam = next((t for t in self.decoder.spec.inputs if t.role == "vision_embeddings"), None)
             seam_dtype = numpy_dtype(seam.dtype) if seam is not None else self.state_dtype
+        # cached prefix blocks beside the pool (request.prefix); None: off, or a pool that keeps none
+        self.prefix = (open_prefix_cache(self.pool, manifest.states, prefix_cache_bytes, prefix_block_size)
+                       if prefix_cache else None)
         self.prep = Preparer(manifest, self.tokenizer, self.vision, self.decoder, self.max_seq_len, seam_dtype, backend,
                              device)
         self._busy = threading.Lock()  # held by the running session; see the class docstring
@@ -96,7 +102,8 @@ class Engine:
     def load(cls, artifact_dir: str | Path, threads: int | None = None, check_files: bool = True,
              expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
              target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
-             distributed=None) -> "Engine":
+             distributed=None, prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
+             prefix_block_size: int = DEFAULT_BLOCK_SIZE) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -105,7 +112,11 @@ class Engine:
         onnxruntime on the CPU), ``target`` which of the artifact's graphs (default: the one the
         backend runs best). ``vision_cache_bytes`` bounds a vision-language artifact's image
         embedding cache (0: no cache). ``distributed`` ("ray" or a ``runtime.backends.distributed.RayOptions``)
-        runs a pipeline-staged artifact with each stage in its own Ray actor (``runtime.backends.distributed``)."""
+        runs a pipeline-staged artifact with each stage in its own Ray actor (``runtime.backends.distributed``).
+        ``prefix_cache`` keeps the KV rows (and conv state snapshots) of prompts and generated text
+        in blocks of ``prefix_block_size`` tokens, at most ``prefix_cache_bytes`` of them (default:
+        2 GiB, at most a quarter of the memory available), so a request whose prompt starts with a
+        cached prefix prefills only the rest (``runtime.request.prefix``; CPU pools only for now)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         if threads is not None and distributed is None:  # before the files are hashed (every session checks
@@ -124,7 +135,8 @@ class Engine:
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
-                   vision_cache_bytes=vision_cache_bytes, distributed=distributed)
+                   vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
+                   prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size)
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -305,7 +317,8 @@ class Engine:
         self.prep.encode_images(active)  # before any slot is claimed: a failure holds nothing
         capacity = max(r.position + r.budget for r in active)
         self.pool.reserve(len(active), capacity)
-        batch = StepBatch(self.prep, self.decoder, self.pool, step_tokens=None, joinable=False)
+        batch = StepBatch(self.prep, self.decoder, self.pool, step_tokens=None, joinable=takes(self.decoder.run, "first_slot"),
+                          prefix=self.prefix)
         waiting = deque(active)
         try:
             while waiting or batch.rows:

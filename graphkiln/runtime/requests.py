@@ -118,3 +118,4 @@ class GenerationResult:
     hidden_states: np.ndarray | None = None
     # with prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache instead of a prefill

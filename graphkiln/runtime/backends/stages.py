@@ -81,6 +81,23 @@ class StagedPool:
             raise RuntimeError("stage pools moved slots differently")
         return moves[0]
 
+    # cached prefix blocks: each stage's pool keeps its own layers' rows under the same block ids
+
+    def block_bytes(self, block_size: int) -> int:
+        return sum(p.block_bytes(block_size) for p in self.pools)
+
+    def attach_store(self, blocks: int, block_size: int) -> None:
+        for p in self.pools:
+            p.attach_store(blocks, block_size)
+
+    def save_blocks(self, slot: int, blocks, ids, snapshot: int | None = None) -> None:
+        for p in self.pools:
+            p.save_blocks(slot, blocks, ids, snapshot)
+
+    def load_blocks(self, slot: int, ids, snapshot: int | None = None) -> None:
+        for p in self.pools:
+            p.load_blocks(slot, ids, snapshot)
+
 
 def merged_spec(specs: list[GraphSpec]) -> GraphSpec:
     """The stages' graphs seen as one decoder graph (what the Engine reads from ``spec``): the

@@ -30,6 +30,7 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import StateSpec
 from graphkiln.memory import available_memory
+from graphkiln.runtime.backends.prefix_store import BlockStore, bytes_per_block
 
 
 # The token of padding rows and padded prompt positions (the engine's ragged prompts, a decode
@@ -112,6 +113,7 @@ class StatePool(PackedSlots):
         self.values: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
         self._backing: dict[tuple[str, int], np.ndarray] = {}  # flat memory under the views above
+        self.store: BlockStore | None = None  # cached prefix blocks (attach_store)
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -180,6 +182,24 @@ class StatePool(PackedSlots):
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for d in (self.keys, self.values, self.conv) for a in d.values())
+
+    # -- cached prefix blocks (backends.prefix_store) ----------------------------------------
+
+    def block_bytes(self, block_size: int) -> int:
+        """What one cached block of this pool's layers takes (``prefix_store.bytes_per_block``)."""
+        return bytes_per_block(self.specs, self.dtype, block_size)
+
+    def attach_store(self, blocks: int, block_size: int) -> None:
+        """Keep up to ``blocks`` cached prefix blocks beside this pool (replacing any store)."""
+        self.store = BlockStore(self.specs, self.dtype, blocks, block_size)
+
+    def save_blocks(self, slot: int, blocks, ids, snapshot: int | None = None) -> None:
+        """``BlockStore.save`` from ``slot``."""
+        self.store.save(self.keys, self.values, self.conv, slot, blocks, ids, snapshot)
+
+    def load_blocks(self, slot: int, ids, snapshot: int | None = None) -> None:
+        """``BlockStore.load`` into ``slot`` (a claimed slot, before its first run)."""
+        self.store.load(self.keys, self.values, self.conv, slot, ids, snapshot)
 
     # -- slots (claim, release: PackedSlots) -------------------------------------------------
 

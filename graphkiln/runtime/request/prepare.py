@@ -41,6 +41,16 @@ class Prepared:
     image_positions: np.ndarray | None
     layout: PromptLayout | None
 
+    @property
+    def image_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """(start, end, content hash) of each image's placeholder positions, in prompt order."""
+        spans, at = [], 0
+        for im in self.images:
+            start = int(self.image_positions[at])
+            spans.append((start, start + im.tokens, im.key))
+            at += im.tokens
+        return tuple(spans)
+
 
 class Preparer:
     """Prepares requests for one loaded artifact (module docstring). ``runner`` is the step
@@ -168,7 +178,7 @@ class Preparer:
         if given and self.vision is None:
             raise GraphkilnError(f"this artifact ({self.manifest.model.architecture}) is a text-only model and takes no "
                                  f"images, but {given} were given: drop them (--image) or use a vision-language artifact")
-        if given and not _takes(self.runner.run, "vision"):
+        if given and not takes(self.runner.run, "vision"):
             raise GraphkilnError(f"images are not supported on the {self.backend} backend on {self.device} yet: load the "
                                  "Engine with backend='onnxruntime', device='cpu' (run --backend onnxruntime --device cpu)")
         return lists
@@ -179,9 +189,16 @@ class Preparer:
         todo = [r for r in reqs if r.images]
         if not todo:
             return
-        embeds = iter(self.vision.encode([im for r in todo for im in r.images]))
+        # an image wholly inside a reused prefix (request.prefix) is in the cache already: zero rows
+        # hold its place (no run reads them) instead of a vision-graph pass
+        wanted = {id(r): [not (len(r.image_spans) == len(r.images) and end <= r.done) for _, end, _ in r.image_spans]
+                  or [True] * len(r.images) for r in todo}
+        embeds = iter(self.vision.encode([im for r in todo for im, w in zip(r.images, wanted[id(r)]) if w]))
+        hidden = self.manifest.model.hidden_size
         for r in todo:
-            r.image_rows = np.concatenate([next(embeds) for _ in r.images]).astype(self.seam_dtype, copy=False)
+            rows = [next(embeds) if w else np.zeros((im.tokens, hidden), self.seam_dtype)
+                    for im, w in zip(r.images, wanted[id(r)])]
+            r.image_rows = np.concatenate(rows).astype(self.seam_dtype, copy=False)
             r.images = []  # a request may run for long
 
     # -- layout ---------------------------------------------------------------------------
@@ -260,7 +277,8 @@ def is_image(x) -> bool:
     return isinstance(x, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Image.Image))
 
 
-def _takes(fn, name: str) -> bool:
+def takes(fn, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (what a step runner supports)."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):

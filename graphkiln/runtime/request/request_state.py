@@ -67,6 +67,13 @@ class RequestState:
     error: BaseException | None = None
     events: list[TokenEvent] = field(default_factory=list)
     handle: "RequestHandle | None" = None
+    # prefix reuse (request.prefix): (start, end, content hash) of each image's placeholder span;
+    # the keys of the sequence's full blocks computed so far; how many of them are in the store
+    # (or came from it); the prompt tokens taken from the store instead of computed
+    image_spans: tuple[tuple[int, int, str], ...] = ()
+    keys: list[bytes] = field(default_factory=list)
+    saved_blocks: int = 0
+    cached_tokens: int = 0
 
     @property
     def position(self) -> int:
@@ -93,7 +100,8 @@ def make_request(prep: "Preparer", index: int, prepared: "Prepared", cfg: Genera
     detok = IncrementalDetokenizer(prep.tokenizer) if prep.tokenizer is not None else None
     return RequestState(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok,
                         images=prepared.images, image_positions=prepared.image_positions, layout=prepared.layout,
-                        cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids))
+                        cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids),
+                        image_spans=prepared.image_spans)
 
 
 def result_of(r: RequestState) -> GenerationResult:
@@ -102,4 +110,5 @@ def result_of(r: RequestState) -> GenerationResult:
                             finish_reason=r.finish_reason, logprobs=r.logprobs if r.cfg.logprobs is not None else None,
                             logits=np.stack(r.logits) if r.logits else None,
                             hidden_states=np.concatenate(r.hidden) if r.hidden else None,
-                            prompt_logprobs=r.prompt_logprobs if r.cfg.prompt_logprobs is not None else None)
+                            prompt_logprobs=r.prompt_logprobs if r.cfg.prompt_logprobs is not None else None,
+                            cached_tokens=r.cached_tokens)

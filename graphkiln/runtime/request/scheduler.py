@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 import time
 from collections import deque
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.request.commit import finish_cancelled
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState, make_request, result_of  # noqa: F401
+from graphkiln.runtime.request.prepare import takes
 from graphkiln.runtime.request.step import Plan, StepBatch
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
 
@@ -71,6 +71,12 @@ class RequestHandle:
         complete once the request's first event has arrived (its prefill is over by then)."""
         r = self._request
         return list(r.prompt_logprobs) if r.cfg.prompt_logprobs is not None else None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (``request.prefix``), set when the request is
+        admitted: final once its first event has arrived."""
+        return self._request.cached_tokens
 
     # called by the stepping thread
     def _deliver(self, events: list[TokenEvent], done: bool, error: BaseException | None = None) -> None:
@@ -191,8 +197,8 @@ class Scheduler:
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
         engine.hold()  # refuses an engine already in use
-        self._batch = StepBatch(engine.prep, engine.decoder, engine.pool, step_tokens=step_tokens,
-                             joinable=_takes(engine.decoder.run, "first_slot"))
+        self._batch = StepBatch(engine.prep, engine.decoder, engine.pool, step_tokens=step_tokens, prefix=engine.prefix,
+                             joinable=takes(engine.decoder.run, "first_slot"))
         self._total_slots = 0
 
     def start(self) -> None:
@@ -341,7 +347,7 @@ class Scheduler:
     def _encode_new(self, plan: Plan) -> None:
         """Image rows of the requests this step starts (vision graph or cache), before they run;
         a request whose images fail leaves without running."""
-        new = [r for r in plan.prefill if r.images and r.done == 0]
+        new = [r for r in plan.prefill if r.images]  # not encoded yet
         if not new:
             return
         for r in new:
@@ -369,10 +375,3 @@ class Scheduler:
         events, r.events = r.events, []
         if r.handle is not None:
             r.handle._deliver(events, r.finish_reason is not None, r.error)
-
-
-def _takes(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False

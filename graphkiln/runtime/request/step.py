@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphkiln.runtime.backends.state import PAD_ID
+from graphkiln.runtime.request.prefix import PrefixCache
 from graphkiln.runtime.request.prepare import Preparer
 from graphkiln.runtime.request.commit import commit, finish_cancelled, score_prompt
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState
@@ -73,10 +74,14 @@ class StepBatch:
     ``rows[-1]``. The pool is sized by the driver before the first step and not while slots
     are live."""
 
-    def __init__(self, prep: Preparer, runner, pool, *, step_tokens: int | None, joinable: bool) -> None:
+    def __init__(self, prep: Preparer, runner, pool, *, step_tokens: int | None, joinable: bool,
+                 prefix: PrefixCache | None = None) -> None:
         self.prep = prep  # the layout inputs of each run (Preparer.extra)
         self.runner = runner
         self.pool = pool
+        self.prefix = prefix  # None: nothing reused (off, or a runner that cannot start past slot 0)
+        if not joinable:
+            self.prefix = None  # a reused prefix is prefilled alone, from its own slot
         self.step_tokens = step_tokens  # None: no budget (whole prompts, as many as have slots)
         self.joinable = joinable  # the runner can run a range of slots from first_slot > 0
         self.rows: list[RequestState] = []
@@ -105,14 +110,29 @@ class StepBatch:
         budget = math.inf if self.step_tokens is None else self.step_tokens - len(decode)
         if self.partial is not None:
             r = self.partial
-            return Plan(decode, [r], r.done, [_chunk_end(r, r.done, budget)], cancelled)
+            return Plan(decode, [r], r.done, [self._chunk_end(r, r.done, budget)], cancelled)
         group: list[RequestState] = []
         ends: list[int] = []
         longest = 0
+        firsts: set[bytes] = set()  # the group's first blocks (prefix reuse)
         if self.joinable or not self.rows:
             while waiting and self.pool.free_slots > len(group):
                 r = waiting[0]
                 n = len(r.prompt_ids)
+                if self.prefix is not None:
+                    hit = self.prefix.find(r)
+                    if hit.tokens:  # a cached prefix: prefilled alone from there, past in its slot
+                        if group:
+                            break
+                        r = waiting.popleft()
+                        r.slot = self.pool.claim()
+                        self.rows.append(r)
+                        self.prefix.restore(r, hit)
+                        return Plan(decode, [r], r.done, [self._chunk_end(r, r.done, budget)], cancelled)
+                    first = self.prefix.first_key(r)
+                    if first is not None and first in firsts:
+                        break  # it shares a prefix with one this step computes: next step reuses it
+                    firsts.add(first)
                 if (len(group) + 1) * max(longest, n) <= budget:
                     group.append(waiting.popleft())
                     ends.append(n)
@@ -120,12 +140,26 @@ class StepBatch:
                     continue
                 if not group and self.joinable:  # a long prompt: its first chunk, alone
                     group.append(waiting.popleft())
-                    ends.append(_chunk_end(r, 0, budget))
+                    ends.append(self._chunk_end(r, 0, budget))
                 break
         for r in group:
             r.slot = self.pool.claim()
             self.rows.append(r)
         return Plan(decode, group, 0, ends, cancelled)
+
+    def _chunk_end(self, r: RequestState, start: int, budget: float) -> int:
+        """Where a prefill chunk of ``r`` from ``start`` ends: its prompt's end if the budget allows,
+        else as far as the budget goes, on a block boundary when blocks are cached (a conv
+        snapshot is kept only where a run ends on one) and never inside an image."""
+        n = len(r.prompt_ids)
+        if budget >= n - start:
+            return n
+        budget = max(int(budget), 1)
+        if self.prefix is not None:
+            aligned = (start + budget) // self.prefix.block_size * self.prefix.block_size
+            if aligned > start:
+                budget = aligned - start
+        return r.layout.chunk_end(start, budget) if r.layout is not None else min(start + budget, n)
 
     # -- pack, run, sample, commit ------------------------------------------------------------
 
@@ -169,6 +203,8 @@ class StepBatch:
                         r.hidden.append(states[row, :1].copy())  # the runner reuses its buffers
             for row, r in enumerate(reqs):
                 self._choose(r, out[row, 0], fold)
+                if self.prefix is not None:
+                    self.prefix.remember(r)
             return list(reqs)
 
         args = (tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))
@@ -220,6 +256,10 @@ class StepBatch:
                 elif f:
                     self._choose(r, out[row, cols[row]], fold)
                     stepped.append(r)
+            if self.prefix is not None:
+                self.prefix.computed(int(lengths.sum()))
+                for r in reqs:
+                    self.prefix.remember(r)
             last = reqs[-1]
             self.partial = last if last.done < len(last.prompt_ids) else None
             return stepped
@@ -303,9 +343,3 @@ class StepBatch:
         r.slot = None
 
 
-def _chunk_end(r: RequestState, start: int, budget: float) -> int:
-    n = len(r.prompt_ids)
-    if budget >= n - start:
-        return n
-    budget = max(int(budget), 1)
-    return r.layout.chunk_end(start, budget) if r.layout is not None else min(start + budget, n)
