@@ -86,8 +86,10 @@ def test_ray_stages_match_in_process(cluster, staged, tmp_path, name, stages):
     from graphkiln.runtime.request.scheduler import Scheduler
 
     case, art, manifest = staged(name, stages)
-    local = Engine.load(art)
-    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path)))
+    local = Engine.load(art, prefix_cache=False)
+    # prefix blocks of 4 tokens: the repeated prompts below start from cached blocks on every stage
+    dist = Engine.load(art, threads=1, distributed=RayOptions(stage_dirs=_stage_dirs(art, manifest, tmp_path)),
+                       prefix_block_size=4)
     try:
         # each stage in its own process, holding only its own layers' state
         infos = dist.decoder.pipeline.call("info")
@@ -116,6 +118,16 @@ def test_ray_stages_match_in_process(cluster, staged, tmp_path, name, stages):
             sched.shutdown(30)
         assert got == alone
         assert [i["live"] for i in dist.decoder.pipeline.call("info")] == [0] * stages
+
+        # prefix reuse across the stages: a second turn starts from the first turn's blocks, each
+        # stage restoring its own layers' rows (and conv snapshots) under the driver's block ids
+        first = case.prompts([14], salt=8)[0]
+        reply = dist.generate(first, _greedy(12))[0]
+        second = first + reply.token_ids + [5, 6, 7]
+        got = dist.generate(second, _greedy(12, output_logits=True))[0]
+        want = local.generate(second, _greedy(12, output_logits=True))[0]
+        assert got.token_ids == want.token_ids and got.cached_tokens >= 16, got.cached_tokens
+        np.testing.assert_allclose(got.logits, want.logits, rtol=0, atol=1e-5)
     finally:
         dist.decoder.close()
 

@@ -179,7 +179,7 @@ def test_chat_template_matches_transformers(srv, artifact):
     ("{% for %}", "does not compile"),
 ])
 def test_chat_template_refusals(tmp_path, source, needle):
-    from graphkiln.serve.chat import ChatTemplate, ChatTemplateError
+    from graphkiln.runtime.request.chat_template import ChatTemplate, ChatTemplateError
 
     files = ("tokenizer.json",)
     if source is not None:
@@ -748,3 +748,32 @@ def test_a_batch_of_prompts_is_one_choice_each_as_if_sent_alone(srv, stream):
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert body["usage"][key] == sum(a["usage"][key] for a in alone)
     srv.wait_idle()
+
+
+def test_a_repeated_chat_reports_its_cached_tokens(srv, reference):
+    """The same conversation twice: the second time its prompt comes from the prefix cache
+    (usage.prompt_tokens_details.cached_tokens, whole and in the streamed usage chunk, and the
+    Prometheus counters say so) and the reply is unchanged."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def metrics():
+        return {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+                for s in fam.samples}
+
+    client = srv.client()
+    msgs = [{"role": "system", "content": "You answer briefly. " * 12}, {"role": "user", "content": "why is the sky blue?"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    before = metrics()
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    after = metrics()
+    prompt = first.usage.prompt_tokens
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert prompt > 64 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert prompt - 32 <= cached < prompt and cached % 32 == 0 or cached == prompt - 1, (cached, prompt)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert after["graphkiln_prefix_cache_hit_tokens_total"] - before["graphkiln_prefix_cache_hit_tokens_total"] == cached
+    assert after["graphkiln_prefix_cache_bytes"] > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content

@@ -61,7 +61,7 @@ from graphkiln.runtime.request.tokenizer import IncrementalDetokenizer
 from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, LaneFull, Lanes, chars_per_token_bound, min_tokens
-from graphkiln.serve.chat import ChatTemplate, ChatTemplateError
+from graphkiln.runtime.request.chat_template import ChatTemplate, ChatTemplateError
 from graphkiln.serve.metrics import ServerMetrics
 
 log = logging.getLogger("graphkiln.serve")
@@ -520,8 +520,15 @@ def _merged(bodies: list[dict]) -> dict:
                 {"prompt_token_ids": body["prompt_token_ids"]} if "prompt_token_ids" in body else {}))
     out.pop("prompt_token_ids", None)
     if out.get("usage") is not None:
-        out["usage"] = {k: sum(b["usage"][k] for b in bodies) for k in out["usage"]}
+        out["usage"] = {k: _summed([b["usage"][k] for b in bodies]) for k in out["usage"]}
     return out
+
+
+def _summed(values: list):
+    """Usage fields of several choices summed, nested ones (``prompt_tokens_details``) key by key."""
+    if isinstance(values[0], dict):
+        return {k: _summed([v[k] for v in values]) for k in values[0]}
+    return sum(values)
 
 
 async def _sse(state, group: _Group, arrived, shapes: list["_Shape"], watcher) -> AsyncIterator[str]:
@@ -616,7 +623,8 @@ class _Shape:
 
     def usage(self, handle, completion: int) -> S.Usage:
         prompt = len(handle.prompt_ids)
-        return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=S.PromptTokensDetails(cached_tokens=handle.cached_tokens))
 
     def ids(self, events: list[TokenEvent]) -> list[int] | None:
         return [e.token_id for e in _tokens(events)] if self.req.return_token_ids else None

@@ -33,8 +33,19 @@ class _SchedulerCollector(Collector):
             ("total_slots", "State-pool slots (most requests served at once)", s.total_slots),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
-        yield CounterMetricFamily(f"{PREFIX}_prompt_tokens", "Prompt tokens admitted since start", value=s.prompt_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled since start (not those taken from the prefix cache)", value=s.prompt_tokens)
         yield CounterMetricFamily(f"{PREFIX}_generated_tokens", "Tokens generated since start", value=s.generated_tokens)
+        p = s.prefix
+        if p is not None:  # the prefix cache (runtime.request.prefix); absent when it is off
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
+                                      value=p.hit_tokens)
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_miss_tokens", "Prompt tokens computed by a prefill",
+                                      value=p.miss_tokens)
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions", "Prefix cache blocks evicted",
+                                      value=p.evictions)
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_bytes", "Bytes of prefix cache blocks held", value=p.bytes)
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_capacity_bytes", "The prefix cache's byte budget",
+                                    value=p.capacity_bytes)
 
 
 class ServerMetrics:

@@ -42,6 +42,8 @@ class ServeConfig:
     target: str | None = None
     distributed: object = None  # "ray" or a runtime.backends.distributed.RayOptions: a staged artifact's stages as Ray actors
     log_level: str = "info"
+    prefix_cache: bool = True  # --no-prefix-cache turns it off
+    prefix_cache_bytes: int | None = None  # None: the runtime's default budget
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -122,7 +124,8 @@ def serve(cfg: ServeConfig) -> int:
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
-                             distributed=cfg.distributed)
+                             distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
+                             prefix_cache_bytes=cfg.prefix_cache_bytes)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
         sock.close()

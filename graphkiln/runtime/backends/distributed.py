@@ -213,6 +213,24 @@ class StageWorker:
         self._check(expect)
         self.pool.scrub(slot)
 
+    # cached prefix blocks (backends.prefix_store): this stage's layers' rows, under the driver's ids
+
+    def block_bytes(self, expect: str, block_size: int) -> int:
+        self._check(expect)
+        return self.pool.block_bytes(block_size)
+
+    def attach_store(self, expect: str, blocks: int, block_size: int) -> None:
+        self._check(expect)
+        self.pool.attach_store(blocks, block_size)
+
+    def save_blocks(self, expect: str, slot: int, blocks, ids, snapshot) -> None:
+        self._check(expect)
+        self.pool.save_blocks(slot, blocks, ids, snapshot)
+
+    def load_blocks(self, expect: str, slot: int, ids, snapshot) -> None:
+        self._check(expect)
+        self.pool.load_blocks(slot, ids, snapshot)
+
     def run_vision(self, expect: str, feeds: dict) -> np.ndarray:
         """The vision graph over preprocessed ``feeds`` (the first stage's, ``runtime.backends.vision``)."""
         self._check(expect)
@@ -293,6 +311,8 @@ class _Pipeline:
                                  "longer to read (RayOptions.start_timeout_s)")
         self.infos = ray.get(refs)
         self.stale: set[int] = set()  # restarted stages: they lack the state of the rows live now
+        self.store_args: tuple[int, int] | None = None  # (blocks, block size) of the stages' prefix stores
+        self.store_epoch = 0  # bumped when a restarted stage comes back with an empty store
         self.gone: str | None = None  # why the pipeline can no longer run (a stage is lost)
         self.lost: set[int] = set()  # stages gone for good (restarts exhausted, pinned node gone)
         self._finalizer = weakref.finalize(self, _end, ray, list(actors), owns_cluster)
@@ -357,6 +377,9 @@ class _Pipeline:
                 restarted.append(k)
                 if self.mirror.slots:
                     ray.get(actor.reserve.remote(info["incarnation"], self.mirror.slots, self.capacity))
+                if self.store_args is not None:  # its cached blocks are gone: the driver's index forgets all
+                    ray.get(actor.attach_store.remote(info["incarnation"], *self.store_args))
+                    self.store_epoch += 1
         if lost:
             fresh = [k for k in lost if k not in self.lost]
             self.lost.update(lost)
@@ -505,6 +528,30 @@ class RayStagedPool:
                 p.call("scrub", slot, stages=p.survivors())
             except StageFailed:
                 pass  # as release_keeping_tail
+
+    # cached prefix blocks: each actor keeps its own layers' rows (StagedPool's calls, made remotely)
+
+    @property
+    def store_epoch(self) -> int:
+        """Changes when a stage restarted with an empty store (``request.prefix`` then forgets its index)."""
+        return self.pipeline.store_epoch
+
+    def block_bytes(self, block_size: int) -> int:
+        return sum(self.pipeline.call("block_bytes", block_size))
+
+    def attach_store(self, blocks: int, block_size: int) -> None:
+        self.pipeline.call("attach_store", blocks, block_size)
+        self.pipeline.store_args = (blocks, block_size)
+
+    def save_blocks(self, slot: int, blocks, ids, snapshot: int | None = None) -> None:
+        p = self.pipeline
+        p.check_usable()
+        p.call("save_blocks", slot, list(blocks), list(ids), snapshot)
+
+    def load_blocks(self, slot: int, ids, snapshot: int | None = None) -> None:
+        p = self.pipeline
+        p.check_usable()
+        p.call("load_blocks", slot, list(ids), snapshot)
 
 
 class PendingRun:

@@ -48,6 +48,7 @@ class PrefixStats:
     blocks: int
     capacity_blocks: int
     bytes: int
+    capacity_bytes: int
     block_size: int
 
 
@@ -159,7 +160,7 @@ class PrefixIndex:
     def stats(self) -> PrefixStats:
         n = len(self._blocks)
         return PrefixStats(self.hit_tokens, self.miss_tokens, self.evictions, n, self.capacity, n * self.block_bytes,
-                           self.block_size)
+                           self.capacity * self.block_bytes, self.block_size)
 
 
 class PrefixCache:
@@ -172,6 +173,14 @@ class PrefixCache:
     def __init__(self, pool, index: PrefixIndex) -> None:
         self.pool = pool
         self.index = index
+        self._epoch = getattr(pool, "store_epoch", 0)
+
+    def _check_epoch(self) -> None:
+        """A pool whose stores were emptied (a restarted Ray stage) leaves nothing to look up."""
+        epoch = getattr(self.pool, "store_epoch", 0)
+        if epoch != self._epoch:
+            self.index.clear()
+            self._epoch = epoch
 
     @property
     def block_size(self) -> int:
@@ -183,6 +192,7 @@ class PrefixCache:
         the prefix ends at most one position before that (the state must be that position's)."""
         if r.cfg.prompt_logprobs is not None or r.cfg.return_hidden_states == "all":
             return NO_HIT
+        self._check_epoch()
         n = len(r.prompt_ids)
         self.index.extend_keys(r.keys, r.prompt_ids, r.image_spans)
         limit = n - 1 if self.index.snapshots else n
@@ -216,6 +226,7 @@ class PrefixCache:
         full = cached // self.block_size
         if full <= r.saved_blocks:
             return
+        self._check_epoch()
         self.index.extend_keys(r.keys, (r.prompt_ids + r.tokens)[: full * self.block_size], r.image_spans)
         writes, snapshot = self.index.insert(r.keys[:full], snapshot_last=cached == full * self.block_size)
         if writes or snapshot is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.request.commit import finish_cancelled
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState, make_request, result_of  # noqa: F401
+from graphkiln.runtime.request.prefix import PrefixStats
 from graphkiln.runtime.request.prepare import takes
 from graphkiln.runtime.request.step import Plan, StepBatch
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob, _is_int
@@ -33,7 +34,8 @@ class ShuttingDown(GraphkilnError):
 class SchedulerStats:
     """A consistent snapshot: ``queued`` requests wait for a slot, ``running`` hold one;
     ``prompt_tokens`` / ``generated_tokens`` are totals since the scheduler was made (prompt
-    tokens counted when prefilled, image placeholder tokens included)."""
+    tokens counted when prefilled, image placeholder tokens included; those taken from the prefix
+    cache are ``prefix.hit_tokens``)."""
 
     queued: int
     running: int
@@ -41,6 +43,7 @@ class SchedulerStats:
     total_slots: int
     prompt_tokens: int
     generated_tokens: int
+    prefix: PrefixStats | None = None  # the prefix cache's totals; None when it is off
 
 
 class RequestHandle:
@@ -267,7 +270,8 @@ class Scheduler:
             b = self._batch
             return SchedulerStats(queued=len(self._waiting), running=len(b.rows),
                                   free_slots=self._total_slots - len(b.rows), total_slots=self._total_slots,
-                                  prompt_tokens=b.prompt_tokens, generated_tokens=b.generated_tokens)
+                                  prompt_tokens=b.prompt_tokens, generated_tokens=b.generated_tokens,
+                                  prefix=b.prefix.stats() if b.prefix is not None else None)
 
     def shutdown(self, deadline_s: float) -> None:
         """Stop admitting; queued and running requests go on until they end or ``deadline_s``

@@ -8,9 +8,14 @@ code: it is compiled and rendered only in jinja2's ``ImmutableSandboxedEnvironme
 attribute access to Python internals, no mutation of the messages), with the globals and
 filters transformers gives templates (``raise_exception``, ``strftime_now``, ``tojson``).
 
-Lifecycle: ``ChatTemplate.load`` runs once at server start and never raises for a missing or
-broken template; ``render`` then refuses with ``ChatTemplateError`` (the server's 400), so the
-completions route keeps working on an artifact without a usable template.
+Users: ``graphkiln serve``'s chat route (``graphkiln.serve.app``) and ``graphkiln chat`` /
+``graphkiln run --chat`` (``graphkiln.chat``); it lives beside the tokenizer, below both, so the
+CLI does not import the serving layer.
+
+Lifecycle: ``ChatTemplate.load`` runs once (at server start, or when the chat command has loaded
+its engine) and never raises for a missing or broken template; ``render`` then refuses with
+``ChatTemplateError`` (the server's 400), so the completions route keeps working on an artifact
+without a usable template. ``problem`` is None exactly when ``template`` is usable.
 """
 
 from __future__ import annotations
