@@ -84,3 +84,24 @@ def test_chat_completion_through_the_server_equals_the_engine(real_checkpoint, t
     assert r.prompt_token_ids == tokenizer(rendered).input_ids  # the server renders the checkpoint's template
     assert text == want.text and r.choices[0].token_ids == want.token_ids
     assert r.choices[0].finish_reason == want.finish_reason == "stop"  # the answer ends with <|im_end|>
+
+
+def test_multi_turn_chat_reuses_each_turn_and_equals_no_reuse(real_checkpoint, tokenizer, engine):
+    """Three chat turns over a shared document, each rendered whole by the checkpoint's template:
+    every turn after the first starts from the previous turn's cached blocks (its prompt and the
+    reply), and every reply equals the same turn on an engine without the cache."""
+    plain = Engine.load(real_checkpoint[1], threads=1, prefix_cache=False)
+    cfg = GenerationConfig(max_new_tokens=16, do_sample=False)
+    doc = ("The lighthouse at the edge of the harbour was built in 1871 from granite quarried on the island. "
+           "Its lamp burned whale oil until 1902, then kerosene, and since 1958 it has been electric. ") * 4
+    messages = [{"role": "system", "content": "Answer from this text only.\n\n" + doc}]
+    previous = 0
+    for question in ("When was the lighthouse built?", "What did the lamp burn first?", "And since 1958?"):
+        messages.append({"role": "user", "content": question})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        got, want = engine.generate(text, cfg)[0], plain.generate(text, cfg)[0]
+        assert got.token_ids == want.token_ids, question
+        # every full block of the previous turn's sequence (its last token is never fed back)
+        assert got.cached_tokens >= (previous - 1) // 32 * 32 - 32 and (previous == 0 or got.cached_tokens > 0)
+        previous = len(got.prompt_ids) + len(got.token_ids)
+        messages.append({"role": "assistant", "content": got.text})
