@@ -1,4 +1,4 @@
-"""The ``graphkiln`` command: export, inspect, run, verify, check, build, serve, demo.
+"""The ``graphkiln`` command: export, inspect, run, chat, verify, check, build, serve, demo.
 
 Every user error surfaces as one ``error: ...`` line on stderr and exit status 2.
 """
@@ -143,15 +143,80 @@ def _add_ray_flags(p) -> None:
                    help="with --distributed ray: per stage, the Ray node (id or IP address) that must run it")
 
 
-def _run(args) -> int:
-    from graphkiln.runtime import Engine, GenerationConfig
+def _check_utf8(flag: str, text: str | None) -> None:
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that were not UTF-8 arrive as lone surrogates
+        raise GraphkilnError(f"{flag} is not UTF-8 text (byte 0x{ord(text[exc.start]) - 0xDC00:02x} at "
+                             f"character {exc.start}): convert it, e.g. with iconv -t UTF-8") from None
 
+
+def _generation_config(args, logprobs: int | None = None):
+    """The generation flags (``_add_generation_flags``) as a GenerationConfig."""
+    from graphkiln.runtime import GenerationConfig
+
+    # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
+    sampling = (args.temperature is not None and args.temperature > 0) or (
+        args.temperature is None and (args.top_k is not None or args.top_p is not None))
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=True if sampling else (False if args.greedy else None),
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        stop_strings=tuple(args.stop or ()), logprobs=logprobs,
+        stop_token_ids=() if args.ignore_eos else None,
+    )
+
+
+def _load_engine(args):
+    """The engine flags (``_add_engine_flags``) as ``Engine.load``'s arguments."""
+    from graphkiln.runtime import Engine
+
+    return Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
+                       backend=args.backend, device=args.device, distributed=_distributed(args))
+
+
+def _add_generation_flags(p) -> None:
+    """How each reply is generated: run's and chat's (``_generation_config`` reads them)."""
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=None)
+    p.add_argument("--temperature", type=_number(0.0), default=None, help="> 0 samples; default greedy")
+    p.add_argument("--top-k", type=_int_at_least(0), default=None)
+    p.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=None)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--greedy", action="store_true", help="force greedy even if the artifact defaults to sampling")
+    p.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop on the artifact's EOS tokens")
+
+
+def _add_engine_flags(p) -> None:
+    """Which artifact graph runs, where and how: run's and chat's (``_load_engine`` reads them)."""
+    p.add_argument("--threads", type=_int_at_least(1), default=None)
+    p.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
+                   help="refuse the artifact unless its manifest has this sha256 (the digest 'graphkiln inspect' "
+                        "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
+    p.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
+                   help="run the graph exported for this target (default: the artifact's best graph for onnxruntime)")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"],
+                   help="what runs the graph: onnxruntime (default) or the TensorRT engine 'graphkiln build' made")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="cpu (default for onnxruntime) or cuda (onnxruntime-gpu with CUDA graphs: pip install "
+                        "'graphkiln[cuda]', see README; tensorrt always runs on cuda)")
+    p.add_argument("--distributed", default=None, choices=["ray"],
+                   help="run a pipeline-staged artifact (export --stages) with each stage in its own Ray actor "
+                        "(pip install 'graphkiln[distributed]'; a local Ray cluster unless this process joins one)")
+    _add_ray_flags(p)
+
+
+def _run(args) -> int:
     for i, text in enumerate(args.prompt or []):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # argv bytes that were not UTF-8 arrive as lone surrogates
-            raise GraphkilnError(f"--prompt {i + 1} is not UTF-8 text (byte 0x{ord(text[exc.start]) - 0xDC00:02x} at "
-                                 f"character {exc.start}): convert it, e.g. with iconv -t UTF-8") from None
+        _check_utf8(f"--prompt {i + 1}", text)
+    _check_utf8("--system", args.system)
+    if args.system is not None and not args.chat:
+        raise GraphkilnError("--system is the system message of --chat: add --chat, or drop --system")
+    if args.chat and args.prompt_ids:
+        raise GraphkilnError("--chat renders --prompt text with the chat template, and --prompt-ids are already "
+                             "tokens: give the text as --prompt, or drop --chat")
     prompts = list(args.prompt or []) + [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
         raise GraphkilnError("nothing to run: give --prompt TEXT or --prompt-ids IDS")
@@ -159,18 +224,13 @@ def _run(args) -> int:
         raise GraphkilnError(f"--image goes with one prompt (every --image belongs to it), but {len(prompts)} prompts "
                              "were given: run each prompt with its images separately")
     images = [list(args.image)] if args.image else None
-    engine = Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
-                         backend=args.backend, device=args.device, distributed=_distributed(args))
-    # Any sampling flag asks for sampling; --temperature 0 or --greedy forces greedy.
-    sampling = (args.temperature is not None and args.temperature > 0) or (
-        args.temperature is None and (args.top_k is not None or args.top_p is not None))
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=True if sampling else (False if args.greedy else None),
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        stop_strings=tuple(args.stop or ()), logprobs=args.logprobs,
-        stop_token_ids=() if args.ignore_eos else None,
-    )
+    engine = _load_engine(args)
+    if args.chat:  # each prompt one user message of its own conversation, rendered to ids (see graphkiln.chat)
+        from graphkiln.chat import Conversation, load_template
+
+        template = load_template(engine)
+        prompts = [template.encode(Conversation(args.system).messages(text)) for text in prompts]
+    config = _generation_config(args, logprobs=args.logprobs)
     show_ids = engine.tokenizer is None or args.show_ids
     if args.stream:
         last = None
@@ -189,6 +249,15 @@ def _run(args) -> int:
                 alts = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
                 print(f"  token {lp.token_id} logprob {lp.logprob:.4f}" + (f"  top: {alts}" if alts else ""))
     return 0
+
+
+def _chat(args) -> int:
+    from graphkiln.chat import load_template, run_chat
+
+    _check_utf8("--system", args.system)
+    config = _generation_config(args)  # refuses bad settings before the artifact is loaded
+    engine = _load_engine(args)
+    return run_chat(engine, load_template(engine), config, system=args.system)
 
 
 def _verify(args) -> int:
@@ -382,33 +451,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", action="append", metavar="PATH",
                    help="an image for a vision-language artifact (repeatable, in the order of the prompt's image "
                         "tokens, e.g. <image> for LLaVA; all for the one prompt)")
-    r.add_argument("--max-new-tokens", type=_int_at_least(0), default=None)
-    r.add_argument("--temperature", type=_number(0.0), default=None, help="> 0 samples; default greedy")
-    r.add_argument("--top-k", type=_int_at_least(0), default=None)
-    r.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=None)
-    r.add_argument("--seed", type=_int_at_least(0), default=0)
-    r.add_argument("--greedy", action="store_true", help="force greedy even if the artifact defaults to sampling")
-    r.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
-    r.add_argument("--ignore-eos", action="store_true", help="do not stop on the artifact's EOS tokens")
+    _add_generation_flags(r)
     r.add_argument("--logprobs", type=_int_at_least(0), default=None, metavar="N", help="print log-probabilities with N alternatives")
     r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     r.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
-    r.add_argument("--threads", type=_int_at_least(1), default=None)
-    r.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
-                   help="refuse the artifact unless its manifest has this sha256 (the digest 'graphkiln inspect' "
-                        "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
-    r.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
-                   help="run the graph exported for this target (default: the artifact's best graph for onnxruntime)")
-    r.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"],
-                   help="what runs the graph: onnxruntime (default) or the TensorRT engine 'graphkiln build' made")
-    r.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                   help="cpu (default for onnxruntime) or cuda (onnxruntime-gpu with CUDA graphs: pip install "
-                        "'graphkiln[cuda]', see README; tensorrt always runs on cuda)")
-    r.add_argument("--distributed", default=None, choices=["ray"],
-                   help="run a pipeline-staged artifact (export --stages) with each stage in its own Ray actor "
-                        "(pip install 'graphkiln[distributed]'; a local Ray cluster unless this process joins one)")
-    _add_ray_flags(r)
+    r.add_argument("--chat", action="store_true",
+                   help="apply the artifact's chat template: each --prompt is one user message (its reply's turn "
+                        "opened), as 'graphkiln chat' sends it")
+    r.add_argument("--system", default=None, metavar="TEXT", help="with --chat: the system message")
+    _add_engine_flags(r)
     r.set_defaults(fn=_run)
+
+    t = sub.add_parser("chat", help="converse with an artifact over its chat template (a terminal, or lines on stdin)")
+    t.add_argument("artifact")
+    t.add_argument("--system", default=None, metavar="TEXT", help="the system message, kept by /reset")
+    _add_generation_flags(t)
+    _add_engine_flags(t)
+    t.set_defaults(fn=_chat)
 
     v = sub.add_parser("verify", help="compare an artifact with its transformers reference")
     v.add_argument("artifact")

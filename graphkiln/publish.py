@@ -108,6 +108,13 @@ def interrupt_arrived() -> BaseException | None:
     return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
 
+def forget_interrupts() -> None:
+    """Forget the signals recorded so far: their caller handled them where they arrived
+    (``graphkiln chat``'s Ctrl-C cancelling one reply), so an error met later in the same
+    command is reported as itself, not as that interruption."""
+    _arrived.clear()
+
+
 @contextmanager
 def signals_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM/SIGHUP for a short step that must finish (a rename, a removal), then

@@ -32,11 +32,11 @@ def _cli(*argv, **kw) -> subprocess.CompletedProcess:
 
 # -- thread counts ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize("command", ["run", "serve", "chat"])
 @pytest.mark.parametrize("threads", ["cpus+1", "100000"])
 def test_every_thread_flag_is_bounded_by_the_usable_cpus(llama_case, capsys, command, threads):
     threads = str(usable_cpus() + 1) if threads == "cpus+1" else threads
-    extra = ["--prompt-ids", "1,2"] if command == "run" else ["--port", "0"]
+    extra = {"run": ["--prompt-ids", "1,2"], "serve": ["--port", "0"], "chat": []}[command]
     code, out, err = run_cli(capsys, command, llama_case.artifact, "--threads", threads, *extra)
     assert_one_error(code, err, f"threads {threads}", f"1..{usable_cpus()}", "omit it")
 
