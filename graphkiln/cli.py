@@ -64,6 +64,33 @@ def _int_at_least(low: int):
     return parse
 
 
+_SIZE = re.compile(r"([0-9]+)([KMG]i?B?|B)?", re.IGNORECASE)
+
+
+def _byte_size(text: str) -> int:
+    """argparse type: a number of bytes, plain or with a K/M/G suffix (powers of 1024: 512M, 2G)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size: write bytes, or a number with K, M or G (e.g. 512M)")
+    unit = (m.group(2) or "B")[0].upper()
+    return int(m.group(1)) * {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
+
+
+def _add_prefix_flags(p) -> None:
+    """Prefix reuse (runtime.request.prefix): on by default."""
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep prompts' KV blocks for reuse by later requests (default: kept)")
+    p.add_argument("--prefix-cache-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="the prefix cache's budget, e.g. 512M or 4G (default: 2G, at most a quarter of the memory "
+                        "available)")
+
+
+def _prefix_kwargs(args) -> dict:
+    if args.no_prefix_cache and args.prefix_cache_bytes is not None:
+        raise GraphkilnError("--prefix-cache-bytes sizes the prefix cache that --no-prefix-cache turns off: pass one")
+    return {"prefix_cache": not args.no_prefix_cache, "prefix_cache_bytes": args.prefix_cache_bytes}
+
+
 def _number(low: float, high: float = math.inf, low_open: bool = False):
     """argparse type: a finite float in [low, high] ((low, high] with low_open); NaN and inf
     are refused (a NaN --temperature silently ran greedy)."""
@@ -174,7 +201,7 @@ def _load_engine(args):
     from graphkiln.runtime import Engine
 
     return Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
-                       backend=args.backend, device=args.device, distributed=_distributed(args))
+                       backend=args.backend, device=args.device, distributed=_distributed(args), **_prefix_kwargs(args))
 
 
 def _add_generation_flags(p) -> None:
@@ -192,6 +219,7 @@ def _add_generation_flags(p) -> None:
 def _add_engine_flags(p) -> None:
     """Which artifact graph runs, where and how: run's and chat's (``_load_engine`` reads them)."""
     p.add_argument("--threads", type=_int_at_least(1), default=None)
+    _add_prefix_flags(p)
     p.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
                    help="refuse the artifact unless its manifest has this sha256 (the digest 'graphkiln inspect' "
                         "prints; the manifest holds every file's sha256, so this pins the whole artifact)")
@@ -321,7 +349,7 @@ def _serve(args) -> int:
         artifact=args.artifact, host=args.host, port=args.port, api_key=key, model_name=args.model_name,
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
-        distributed=_distributed(args), log_level=args.log_level))
+        distributed=_distributed(args), log_level=args.log_level, **_prefix_kwargs(args)))
 
 
 def _demo(args) -> int:
@@ -515,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per scheduler step: one per generating request, the rest prefill new prompts in "
                         "chunks (default 256)")
     s.add_argument("--threads", type=_int_at_least(1), default=None, help="onnxruntime threads (default: every core)")
+    _add_prefix_flags(s)
     s.add_argument("--drain-timeout", type=_number(0.0), default=30.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may run before they are cancelled (default 30)")
     s.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",

@@ -83,12 +83,13 @@ class Running:
 
 
 @contextmanager
-def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0, **app_options):
+def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0, prefix_cache=True,
+            **app_options):
     from graphkiln.runtime.request.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
     from graphkiln.serve.server import bind, make_server
 
-    engine = Engine.load(artifact, threads=1)
+    engine = Engine.load(artifact, threads=1, prefix_cache=prefix_cache)
     scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
     sock = bind("127.0.0.1", 0)
     server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key, **app_options), drain_s=drain_s,
@@ -761,7 +762,7 @@ def test_a_repeated_chat_reports_its_cached_tokens(srv, reference):
                 for s in fam.samples}
 
     client = srv.client()
-    msgs = [{"role": "system", "content": "You answer briefly. " * 12}, {"role": "user", "content": "why is the sky blue?"}]
+    msgs = [{"role": "system", "content": "You answer briefly. " * 4}, {"role": "user", "content": "why is the sky blue?"}]
     first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
     before = metrics()
     again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
@@ -777,3 +778,14 @@ def test_a_repeated_chat_reports_its_cached_tokens(srv, reference):
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+
+
+def test_without_the_prefix_cache_nothing_is_cached_or_counted(artifact):
+    msgs = [{"role": "system", "content": "You answer briefly. " * 4}, {"role": "user", "content": "why?"}]
+    with serving(artifact, prefix_cache=False) as s:
+        client = s.client()
+        replies = [client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+                   for _ in range(2)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0]
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+        assert "graphkiln_prefix_cache" not in httpx.get(s.url + "/metrics").text
