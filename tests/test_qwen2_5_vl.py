@@ -312,8 +312,8 @@ def test_prefill_in_two_pieces_gives_the_same_logits(engine):
     p = text_ids(3, 9) + [TOKEN] + text_ids(4, 10)
     image = rgb(5, 112, 140)
     whole = engine.prompt_logits([p], images=[[image]])[0]
-    (ids, loaded, positions), = engine._prepare([p], [[image]], single=False)
-    layout = engine._layout(ids, loaded, positions)
+    prepared, = engine.prep.prepare([p], [[image]], single=False)
+    ids, loaded, positions, layout = prepared.ids, prepared.images, prepared.image_positions, prepared.layout
     rows = np.concatenate(engine.vision.encode(loaded))
     cut = int(positions[len(positions) // 2])
     engine.pool.reserve(1, len(ids))
@@ -323,7 +323,7 @@ def test_prefill_in_two_pieces_gives_the_same_logits(engine):
         for lo, hi in ((0, cut), (cut, len(ids))):
             n = hi - lo
             seam = (rows, (positions - lo).astype(np.int64))  # indices outside the piece are skipped
-            extra = pack(engine._layout_roles, [layout], np.array([lo]), n)
+            extra = pack(engine.prep.layout_roles, [layout], np.array([lo]), n)
             out = engine.decoder.run(engine.pool, np.array([ids[lo:hi]]), np.arange(lo, hi)[None],
                                      np.arange(n)[None].astype(np.int64), np.array([n]), vision=seam, extra=extra)
             pieces.append(out[0].copy())

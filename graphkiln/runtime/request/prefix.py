@@ -75,7 +75,7 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.snapshots = snapshots
         self._blocks: OrderedDict[bytes, list] = OrderedDict()  # key -> [block id, has snapshot]; LRU first
-        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._fresh = 0  # block ids below this have been handed out (the store's pages touched)
         self.hit_tokens = self.miss_tokens = self.evictions = 0
 
     # -- keys -----------------------------------------------------------------------------
@@ -143,8 +143,9 @@ class PrefixIndex:
         return writes, snapshot
 
     def _take(self, keep: set[bytes]) -> int | None:
-        if self._free:
-            return self._free.pop()
+        if self._fresh < self.capacity:  # never-used ids first, lowest first: the store fills from its front
+            self._fresh += 1
+            return self._fresh - 1
         for key in self._blocks:  # least recently used first
             if key not in keep:
                 block, _ = self._blocks.pop(key)
@@ -155,7 +156,7 @@ class PrefixIndex:
     def clear(self) -> None:
         """Forget every block (the store's rows are gone: a restarted stage)."""
         self._blocks.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._fresh = 0
 
     def stats(self) -> PrefixStats:
         n = len(self._blocks)
