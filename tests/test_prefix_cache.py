@@ -188,3 +188,25 @@ def test_bad_budgets_are_one_line(tiny):
     with pytest.raises(GraphkilnError, match="prefix_block_size"):
         Engine.load(case.artifact, prefix_block_size=0)
     assert Engine.load(case.artifact, prefix_cache=False).prefix is None
+
+
+def test_pipeline_stages_in_process_reuse_their_own_layers_blocks(tiny, tmp_path_factory):
+    """A 2-stage artifact chained in one process: each stage's pool restores its own layers' rows
+    under the same block ids; a second turn equals the uncached engine."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    from conftest import MAX_SEQ_LEN
+
+    case = tiny("llama_tok")
+    art = tmp_path_factory.mktemp("prefix-staged") / "artifact"
+    export_model(str(case.checkpoint), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, stages=2))
+    ref = Engine.load(art, prefix_cache=False)
+    eng = Engine.load(art, prefix_block_size=B)
+    first = prompts(case.vocab_size, salt=7)[1]
+    reply = eng.generate(first, GREEDY)[0]
+    second = first + reply.token_ids + [5, 6, 7]
+    got, want = eng.generate(second, GREEDY)[0], ref.generate(second, GREEDY)[0]
+    same([got], [want])
+    assert got.cached_tokens == (len(first) + STEPS - 1) // B * B
+    assert all(p.store is not None and p.store.keys for p in eng.pool.pools)  # each stage keeps its own layers
+    assert set(eng.pool.pools[0].store.keys).isdisjoint(eng.pool.pools[1].store.keys)
