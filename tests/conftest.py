@@ -227,6 +227,19 @@ VLM_SPECS: dict[str, Spec] = {
 }
 
 
+def add_chat_template(art: Path, template: str) -> Path:
+    """Give the artifact at ``art`` a chat_template.jinja, listed and checksummed in its manifest
+    as an export of a checkpoint with one would."""
+    import hashlib
+
+    (art / "chat_template.jinja").write_text(template)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["tokenizer_files"].append("chat_template.jinja")
+    manifest["files"]["chat_template.jinja"] = hashlib.sha256(template.encode()).hexdigest()
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    return art
+
+
 def tokens_through_scheduler(artifact: Path, prompts, images, config, step_tokens: int, max_batch: int = 2):
     """Each request's greedy tokens when ``prompts`` (with their ``images``) go through one
     continuous-batching Scheduler over a fresh Engine; every slot must be free afterwards."""

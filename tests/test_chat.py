@@ -10,7 +10,6 @@ subprocess on a pseudo-terminal (Linux: it reads the child's /proc entry).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -31,6 +30,7 @@ from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.request.chat_template import ChatTemplate
 
 from cli_contract import assert_one_error, run_cli
+from conftest import add_chat_template
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -40,12 +40,7 @@ GREEDY = ("--max-new-tokens", str(NEW), "--temperature", "0")
 
 
 def _add_template(art: Path) -> Path:
-    (art / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    manifest = json.loads((art / "manifest.json").read_text())
-    manifest["tokenizer_files"].append("chat_template.jinja")
-    manifest["files"]["chat_template.jinja"] = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
-    (art / "manifest.json").write_text(json.dumps(manifest))
-    return art
+    return add_chat_template(art, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ References come from a separate ``Engine`` running each request alone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -26,6 +25,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import add_chat_template  # noqa: E402
 from graphkiln.runtime import Engine, GenerationConfig  # noqa: E402
 
 from cli_contract import assert_one_error, run_cli  # noqa: E402
@@ -46,12 +46,7 @@ def artifact(tok_case, tmp_path_factory):
 
     art = tmp_path_factory.mktemp("serve") / "artifact"
     shutil.copytree(tok_case.artifact, art)
-    (art / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    manifest = json.loads((art / "manifest.json").read_text())
-    manifest["tokenizer_files"].append("chat_template.jinja")
-    manifest["files"]["chat_template.jinja"] = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
-    (art / "manifest.json").write_text(json.dumps(manifest))
-    return art
+    return add_chat_template(art, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
