@@ -4,7 +4,7 @@
     schemas.py  request/response models in OpenAI's shapes (strict: requests are untrusted)
     admission.py  what a request may cost before its prompt is tokenized: unseen refusal, lanes
     routes.py   the OpenAPI document (GET /openapi.json): request bodies, responses, security
-    chat.py     the artifact's chat template, rendered in jinja2's sandbox
+    (the chat template it renders is graphkiln.runtime.request.chat_template, shared with graphkiln chat)
     metrics.py  Prometheus metrics, one registry per app
     server.py   socket, uvicorn, graceful drain; ``serve(ServeConfig)`` is the CLI's entry
 
