@@ -6,8 +6,10 @@ One step is one cycle a reader can follow (``StepBatch.plan`` then ``StepBatch.e
 1. **admit**: cancelled requests leave; waiting requests are taken, first come first served,
    while there is a free slot and token budget (``step_tokens``: each decoding row costs one
    token, a prefill chunk its padded length);
-2. **claim**: each admitted request claims a state-pool slot (``runtime.backends.state``), which is its
-   batch row;
+2. **claim or reuse**: each admitted request claims a state-pool slot (``runtime.backends.state``),
+   which is its batch row; one whose prompt starts with cached blocks (``request.prefix``) has
+   them copied into its slot and is prefilled alone from there, and a request sharing its first
+   block with one this step computes waits a step to reuse it;
 3. **pack**: the decode rows' last tokens, the prefill chunk's prompt slice, per-token extras
    (``runtime.prompt_layout``) and image rows inside the chunk (``runtime.backends.vision``);
 4. **run**: the decoder over the decode rows, then over the prefill rows (two runs; see below);
