@@ -1,7 +1,16 @@
-"""Resolve a MODEL argument (local directory or hub id) to a local checkpoint directory."""
+"""Resolve a MODEL argument (local directory, GGUF file or hub id) to a local checkpoint directory.
+
+``prepared_checkpoint`` is what export and verify use: a checkpoint stored in a quantized format (a
+GGUF file, or a Hugging Face checkpoint with a GPTQ/AWQ/compressed-tensors ``quantization_config``)
+is converted into a temporary ordinary checkpoint directory (dequantized float weights, config,
+tokenizer) plus the blocks that map onto MatMulNBits as they are (``models.prequantized``), which
+lives as long as the ``with`` block.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
@@ -11,12 +20,65 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.saf
                 "tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"]
 
 
+# quantization_config methods whose int4 weights convert (graphkiln.models.hf_quantized); others are refused
+CONVERTIBLE_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file MODEL names: the file itself, or the one ``*.gguf`` in a directory with no
+    config.json; None when MODEL is not a GGUF checkpoint."""
+    path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+        if len(found) > 1:
+            raise GraphkilnError(f"{model} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:3])}): "
+                                 "pass the one to export")
+        if found:
+            return found[0]
+    return None
+
+
+@contextlib.contextmanager
+def prepared_checkpoint(model: str, say=lambda msg: None):
+    """Yield the local checkpoint directory for MODEL, converting a quantized format first (see the
+    module docstring); the converted directory is removed when the block ends."""
+    gguf = gguf_file(model)
+    src = None if gguf is not None else resolve_checkpoint(model)
+    method = None
+    if src is not None:
+        from graphkiln.models.weights import read_config
+
+        qc = read_config(src).get("quantization_config")
+        if qc is None:
+            yield src
+            return
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method not in CONVERTIBLE_QUANT_METHODS:
+            refuse_quantized({"quantization_config": qc})
+    with tempfile.TemporaryDirectory(prefix="graphkiln-checkpoint-") as tmp:
+        dest = Path(tmp) / "checkpoint"
+        if gguf is not None:
+            from graphkiln.models.gguf import convert_gguf
+
+            say(f"      converting {gguf.name} (GGUF) into a checkpoint")
+            convert_gguf(gguf, dest)
+        else:
+            from graphkiln.models.hf_quantized import convert_quantized_checkpoint
+
+            say(f"      converting the {method} checkpoint {src} (dequantized weights, blocks kept)")
+            convert_quantized_checkpoint(src, dest)
+        yield dest
+
+
 def resolve_checkpoint(model: str) -> Path:
     path = Path(model)
     if path.is_dir():
         return path
     if path.exists():
-        raise GraphkilnError(f"{model} is a file, not a checkpoint directory: pass the directory holding config.json")
+        raise GraphkilnError(f"{model} is a file, not a checkpoint directory: pass the directory holding config.json "
+                             "(or a .gguf file)")
     if model.count("/") != 1 or model.startswith((".", "/")):
         raise GraphkilnError(f"{model} is neither a local directory nor a hub id like 'org/name': check the path")
     try:
@@ -78,6 +140,6 @@ def refuse_quantized(raw: dict) -> None:
     if qc is not None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
         raise GraphkilnError(
-            f"quantized checkpoints (quant_method {method}) are not supported: export the unquantized checkpoint "
-            "and use --quant"
+            f"quantized checkpoints (quant_method {method}) are not supported (graphkiln converts "
+            f"{', '.join(CONVERTIBLE_QUANT_METHODS)} int4): export the unquantized checkpoint and use --quant"
         )

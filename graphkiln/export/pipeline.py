@@ -11,7 +11,7 @@ from graphkiln import __version__
 from graphkiln.artifact import checksum_tree
 from graphkiln.errors import GraphkilnError
 from graphkiln.export.assets import copy_tokenizer, generation_defaults
-from graphkiln.export.checkpoint import refuse_checkpoint_code, refuse_quantized, resolve_checkpoint
+from graphkiln.export.checkpoint import prepared_checkpoint, refuse_checkpoint_code, refuse_quantized
 from graphkiln.export.external_data import NonFiniteWeight
 from graphkiln.manifest import MANIFEST_NAME, TARGETS, CustomOpRef, Manifest, ModelInfo, StateSpec
 from graphkiln.memory import available_memory
@@ -99,7 +99,8 @@ def release_exporter_references() -> None:
 
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
-                          quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False):
+                          quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False,
+                          prequantized: dict | None = None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
@@ -141,7 +142,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
         stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir,
-                                        symmetric=quant_symmetric)
+                                        symmetric=quant_symmetric, provided=prequantized)
         quantized = stats.nodes
         scheme = "symmetric" if quant_symmetric else "asymmetric"
         say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
@@ -219,7 +220,7 @@ NEXT_TOKEN_TARGETS = ("portable", "onnxruntime")
 
 
 def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions,
-                  next_token: bool = True):
+                  next_token: bool = True, prequantized: dict | None = None):
     """Lower the traced graph (``out_dir / traced.file``, weights in its data file) once per
     target; returns the graph specs (primary first, see ``PRIMARY_ORDER``) and the custom ops
     any of them uses. ``next_token`` False: a graph without logits (a pipeline stage before the
@@ -229,7 +230,9 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
     targets' graphs are copies of the traced proto (a few MB at most; the weights stay in the
     one data file), lowered before the primary is lowered in place. Only tensors a lowering
     changes (onnxruntime's interleaved MoE experts) get a data file of their own, so a
-    multi-target MoE artifact carries the experts' gate/up weights twice.
+    multi-target MoE artifact carries the experts' gate/up weights twice. ``prequantized``
+    (parameter name -> ``models.prequantized.BlockQuantized``): the checkpoint's own blocks, which
+    the quantizer writes instead of quantizing those weights.
     """
     import dataclasses
     import shutil
@@ -248,7 +251,7 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
             release_exporter_references()
             graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used_ops, opts.quant, opts.quant_block_size,
                                                      opts.quant_symmetric, say=lambda msg: _say(opts, msg),
-                                                     shared_data=len(targets) > 1)
+                                                     shared_data=len(targets) > 1, prequantized=prequantized)
             _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t0:.1f}s")
         elif target == "tensorrt":
             from graphkiln.export.lowering.trt_target import lower_for_tensorrt
@@ -285,9 +288,8 @@ def export_vision_graph(src: Path, family, vcfg, cfg, dtype: str, out_dir: Path,
 
 
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
-    from graphkiln.export.onnx_export import NP_DTYPE, SUPPORTED_OPSETS, export_decoder
-    from graphkiln.models.config import architecture_of
-    from graphkiln.models.weights import DTYPES, check_checkpoint, load_decoder, read_config
+    from graphkiln.export.onnx_export import SUPPORTED_OPSETS
+    from graphkiln.models.weights import DTYPES
 
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
@@ -320,10 +322,21 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         if opts.opset != TRT_OPSET:
             raise GraphkilnError(f"--opset {opts.opset} does not suit --target tensorrt: TensorRT's native "
                                  f"RMSNormalization needs opset {TRT_OPSET}; use --opset {TRT_OPSET} (the default)")
+    with prepared_checkpoint(model, say=lambda msg: _say(opts, msg)) as src:
+        return _export_checkpoint(model, src, out_dir, opts, targets)
+
+
+def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions, targets: tuple[str, ...]) -> Manifest:
+    """``export_model`` once MODEL is a local checkpoint directory and the options are checked."""
+    import dataclasses
+
+    from graphkiln.export.onnx_export import NP_DTYPE, export_decoder
+    from graphkiln.models.config import architecture_of
+    from graphkiln.models.weights import check_checkpoint, load_decoder, prequantized_parameters, read_config
+
     # Everything that can be refused from the checkpoint's JSON files and safetensors headers is
     # refused here, before the output directory exists; what is left (non-finite weights, found
     # as they are written) fails inside it, and the publication layer removes the partial output.
-    src = resolve_checkpoint(model)
     raw = read_config(src)
     refuse_checkpoint_code(src, raw)
     refuse_quantized(raw)
@@ -338,6 +351,19 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
                       "max_position_embeddings in config.json")
     generation = generation_defaults(src, raw, cfg.vocab_size, note=lambda msg: _say(opts, msg))
     check_checkpoint(src, family, cfg)
+    prequantized = prequantized_parameters(src, family, cfg)
+    if prequantized and opts.quant is None and targets == ("onnxruntime",) and opts.dtype in ("fp32", "fp16"):
+        # a quantized checkpoint stays quantized (as llama.cpp runs a GGUF): the rest of its Linear
+        # weights get the bits most of its stored blocks have
+        from collections import Counter
+
+        from graphkiln.export.lowering.quantize import QUANT_BITS
+
+        bits = Counter(b.bits for b in prequantized.values()).most_common(1)[0][0]
+        opts = dataclasses.replace(opts, quant=next(q for q, b in QUANT_BITS.items() if b == bits))
+        _say(opts, f"      the checkpoint stores quantized blocks: exporting as --quant {opts.quant}")
+    if not (opts.quant and targets == ("onnxruntime",)):
+        prequantized = {}  # a float artifact of the dequantized weights
     vcfg = None
     if family.vision is not None:
         from graphkiln.export.assets import read_preprocessor_config
@@ -353,7 +379,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
     from graphkiln.export.stages import check_stage_request
 
     stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
-    with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src,)) as tmp:
+    with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src, Path(model))) as tmp:
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
@@ -370,7 +396,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
             try:
                 staged = export_stages(decoder, tmp, opts.stages, stage_ranges, targets, opts,
-                                       say=lambda msg: _say(opts, msg))
+                                       say=lambda msg: _say(opts, msg), prequantized=prequantized)
             except NonFiniteWeight as exc:
                 raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
             del decoder
@@ -387,7 +413,8 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
             n_traced = len(traced.traced_layers)
             how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
             _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
-            graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts)
+            graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts,
+                                             prequantized=prequantized)
         vision = None
         if vcfg is not None:
             graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)

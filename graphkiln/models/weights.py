@@ -398,3 +398,41 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(raw, dict):
         raise GraphkilnError(f"config.json in {model_dir} is not a JSON object: fix or re-save it")
     return raw
+
+
+def prequantized_parameters(model_dir: Path, family: ModelFamily, cfg: DecoderConfig) -> dict:
+    """The decoder parameters whose checkpoint tensors all have stored blocks in the directory's
+    prequantized sidecar (``models.prequantized``), as {parameter name: BlockQuantized} in the
+    parameter's own ``[N, K]`` layout: a fused weight's parts concatenated along N. {} without a
+    sidecar. A tied head's blocks are the embedding's, under both names."""
+    from graphkiln.models.prequantized import concat_rows, read_sidecar
+
+    stored = read_sidecar(model_dir)
+    if not stored:
+        return {}
+    reader = _Reader(_open_shards(model_dir))
+    try:
+        model = _meta_decoder(cfg, rope_tables_inputs(cfg))
+        sources = _plan(reader, family, cfg, model)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    finally:
+        reader.close()
+    out = {}
+    for name, src in sources.items():
+        if isinstance(src, str):
+            parts = [src]
+        elif isinstance(src, Cat) and all(isinstance(p, str) for p in src.parts):
+            parts = list(src.parts)
+        else:
+            continue  # stacked experts and nested layouts: quantized from their floats, if at all
+        if not all(p in stored for p in parts):
+            continue
+        blocks = concat_rows([stored[p] for p in parts])
+        if blocks is not None:
+            if blocks.shape != shapes[name]:
+                raise GraphkilnError(f"prequantized blocks of '{parts[0]}' have shape {blocks.shape}, but the weight "
+                                     f"is {shapes[name]}: convert the checkpoint again")
+            out[name] = blocks
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # the graph's name for the tied weight
+    return out

@@ -1,0 +1,123 @@
+"""Weights a checkpoint already stores quantized (a GGUF file's Q4_0/Q8_0 blocks, GPTQ/AWQ int4), kept
+exactly as they are instead of being dequantized and quantized again.
+
+A checkpoint in such a format is first converted (``graphkiln.models.gguf``,
+``graphkiln.models.hf_quantized``) into an ordinary checkpoint directory holding the *dequantized*
+float weights, which transformers (the reference) and the tracer read as usual, plus a sidecar
+``PREQUANTIZED_FILE`` holding, for the checkpoint tensors whose blocks map onto onnxruntime's
+``MatMulNBits`` without loss, those blocks. The export maps them to the decoder's parameters
+(``blocks_for_parameters``: a fused q/k/v or gate/up weight is quantized when all its parts are,
+alike) and the quantizer (``export.lowering.quantize``) writes them instead of quantizing the float
+weight: the artifact computes with the very integers the checkpoint stored, and its float weights
+are bit-exact with them (``BlockQuantized.dequantize``).
+
+Layout: a Linear weight ``W [N, K]`` (the checkpoint's ``[out, in]``) in blocks of ``block_size``
+along K: ``W[n, k] = (codes[n, k] - zero_points[n, k // block]) * scales[n, k // block]``, codes
+and zero points integers in ``[0, 2**bits)``. That is MatMulNBits' own arithmetic, which has integer
+zero points only (it takes float zero points too, but its CPU kernel then runs ~60x slower,
+measured): a format whose blocks carry a float offset (GGUF Q4_1, Q4_K) does not map, and is
+dequantized and quantized per ``--quant`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from graphkiln.errors import GraphkilnError
+
+PREQUANTIZED_FILE = "graphkiln-prequantized.safetensors"
+# The sidecar's metadata key holding {tensor name: {"bits": b, "block_size": n, "format": "..."}}
+_META_KEY = "graphkiln.prequantized"
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """One ``[N, K]`` Linear weight as integer codes in blocks along K (see the module docstring).
+
+    ``format`` names where the blocks came from ("gguf:Q4_0", "gptq", ...), for reports only.
+    """
+
+    codes: np.ndarray  # uint8 [N, K], values < 2**bits
+    scales: np.ndarray  # float32 [N, ceil(K / block_size)]
+    zero_points: np.ndarray  # uint8 [N, ceil(K / block_size)], values < 2**bits
+    bits: int
+    block_size: int
+    format: str = ""
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        blocks = (k + self.block_size - 1) // self.block_size
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.codes.dtype != np.uint8 or self.zero_points.dtype != np.uint8:
+            raise ValueError("codes and zero points must be uint8")
+        if self.scales.shape != (n, blocks) or self.zero_points.shape != (n, blocks):
+            raise ValueError(f"scales {self.scales.shape} / zero points {self.zero_points.shape} do not match "
+                             f"codes {self.codes.shape} in blocks of {self.block_size}")
+        limit = 1 << self.bits
+        if self.codes.size and (int(self.codes.max()) >= limit or int(self.zero_points.max()) >= limit):
+            raise ValueError(f"codes or zero points do not fit in {self.bits} bits")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[N, K]`` weight these blocks stand for (what the float checkpoint holds)."""
+        n, k = self.codes.shape
+        expand = lambda a: np.repeat(a, self.block_size, axis=1)[:, :k]  # noqa: E731
+        return ((self.codes.astype(np.float32) - expand(self.zero_points).astype(np.float32))
+                * expand(self.scales.astype(np.float32)))
+
+
+def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized | None:
+    """Blocks of a weight fused from ``parts`` along N (q/k/v, gate/up), or None when they are not
+    alike (bits, block size, K) and the fused weight must be quantized from its floats."""
+    first = parts[0]
+    if any((p.bits, p.block_size, p.shape[1]) != (first.bits, first.block_size, first.shape[1]) for p in parts):
+        return None
+    if len(parts) == 1:
+        return first
+    formats = sorted({p.format for p in parts})
+    return BlockQuantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                          np.concatenate([p.zero_points for p in parts]), first.bits, first.block_size,
+                          "+".join(formats))
+
+
+def write_sidecar(directory: Path, blocks: dict[str, BlockQuantized]) -> None:
+    """Write ``blocks`` (checkpoint tensor name -> blocks) into ``directory / PREQUANTIZED_FILE``."""
+    from safetensors.numpy import save_file
+
+    tensors, meta = {}, {}
+    for name, b in blocks.items():
+        tensors[f"{name}.codes"] = np.ascontiguousarray(b.codes)
+        tensors[f"{name}.scales"] = np.ascontiguousarray(b.scales.astype(np.float32))
+        tensors[f"{name}.zero_points"] = np.ascontiguousarray(b.zero_points)
+        meta[name] = {"bits": b.bits, "block_size": b.block_size, "format": b.format}
+    save_file(tensors, str(directory / PREQUANTIZED_FILE), metadata={_META_KEY: json.dumps(meta)})
+
+
+def read_sidecar(directory: Path) -> dict[str, BlockQuantized]:
+    """The sidecar's blocks by checkpoint tensor name; {} when the directory has none. The sidecar is
+    written by graphkiln's own conversion into a directory it created, but it is checked like any
+    checkpoint file: a malformed one is one error line."""
+    path = directory / PREQUANTIZED_FILE
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = json.loads((f.metadata() or {})[_META_KEY])
+            out = {}
+            for name, info in meta.items():
+                out[name] = BlockQuantized(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
+                                           f.get_tensor(f"{name}.zero_points"), int(info["bits"]),
+                                           int(info["block_size"]), str(info.get("format", "")))
+            return out
+    except (KeyError, ValueError, TypeError, json.JSONDecodeError, OSError) as exc:
+        raise GraphkilnError(f"{path} is malformed ({exc}): delete it, or convert the checkpoint again") from None
