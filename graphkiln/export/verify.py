@@ -122,13 +122,18 @@ class _NonFinite(Exception):
 
 
 def _reference(reference: str, vision: bool = False):
+    from graphkiln.export.checkpoint import prepared_checkpoint
+
+    # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load
+    with prepared_checkpoint(reference) as path:
+        return _load_reference(reference, path, vision)
+
+
+def _load_reference(reference: str, path, vision: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
-    from graphkiln.export.checkpoint import resolve_checkpoint
-
-    path = resolve_checkpoint(reference)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

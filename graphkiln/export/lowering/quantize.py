@@ -91,10 +91,13 @@ def block_size_ok(block_size: int) -> bool:
 
 def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int = 32,
                             base_dir: str | Path | None = None, accuracy_level: int = ACCURACY_LEVEL,
-                            symmetric: bool = True) -> QuantStats:
+                            symmetric: bool = True, provided: dict | None = None) -> QuantStats:
     """Rewrite the Linear layers of ``model.graph`` into ``com.microsoft.MatMulNBits``, in place.
 
     ``base_dir`` is where external-data files are (needed when weights are not loaded).
+    ``provided``: {parameter name: ``models.prequantized.BlockQuantized``}, the checkpoint's own
+    blocks, written as they are (their bits and block size) for the initializers of those
+    parameters (the exporter names a weight it stores transposed ``<parameter>.T``).
     Float initializers no longer read by any node are dropped; others (e.g. an lm_head
     weight the embedding Gather also reads) stay. Returns what was done.
     """
@@ -127,23 +130,31 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         weight, transposed, bias = plan
         init = inits[weight]
         if (weight, transposed) not in quantized:
-            w = _read(init, base_dir)
-            if transposed:  # Gemm transB=1: [N, K] -> [K, N]
-                w = w.T
-            k, n = w.shape
-            q, scales, zp = _quantize(np.ascontiguousarray(w), bits, block_size, symmetric)
-            del w
+            given = (provided or {}).get(weight.removesuffix(".T"))
+            if given is not None:
+                n, k = given.shape
+                w_bits, w_block = given.bits, given.block_size
+                q, scales, zp = pack_blocks(given, _FLOAT_TYPES[init.data_type])
+            else:
+                w = _read(init, base_dir)
+                if transposed:  # Gemm transB=1: [N, K] -> [K, N]
+                    w = w.T
+                k, n = w.shape
+                w_bits, w_block = bits, block_size
+                q, scales, zp = _quantize(np.ascontiguousarray(w), bits, block_size, symmetric)
+                del w
             stem = weight.replace("/", "_")
-            tensors = [(names.fresh(f"{stem}.q{bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
+            tensors = [(names.fresh(f"{stem}.q{w_bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
             if zp is not None:
                 tensors.append((names.fresh(f"{stem}.zero_points"), zp))
             for name, arr in tensors:
                 _add_initializer(graph, name, arr)
-            quantized[weight, transposed] = (tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n)
+            quantized[weight, transposed] = (tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n,
+                                             w_bits, w_block)
             float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
             quant_bytes += sum(arr.nbytes for _, arr in tensors)
             candidates.add(weight)
-        qname, sname, zname, k, n = quantized[weight, transposed]
+        qname, sname, zname, k, n, w_bits, w_block = quantized[weight, transposed]
         out = node.output[0]
         if bias is None and node.op_type == "MatMul":  # fold a following bias Add
             bias, add = _bias_add(out, nodes, consumers, graph_outputs, inits, n, init.data_type)
@@ -155,7 +166,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         inputs = [node.input[0], qname, sname, zname] + (["", bias] if bias else [])
         replace[idx] = helper.make_node(
             "MatMulNBits", inputs, [out], name=names.fresh(f"{node.name or weight}/MatMulNBits"),
-            domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=block_size, accuracy_level=accuracy_level)
+            domain=MS_DOMAIN, K=k, N=n, bits=w_bits, block_size=w_block, accuracy_level=accuracy_level)
 
     if not replace:
         return QuantStats(0, 0, 0, 0)
@@ -280,6 +291,27 @@ def _quantize(w: np.ndarray, bits: int, block_size: int, symmetric: bool) -> tup
     fn = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
     fn(packed, w, scales, zero_points, block_size, n, k, symmetric)
     return packed, scales, None if symmetric else zero_points
+
+
+def pack_blocks(blocks, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A ``BlockQuantized`` weight in MatMulNBits' layout: (packed B [N, k_blocks, block * bits / 8],
+    scales [N, k_blocks] in ``dtype``, packed zero points [N, ceil(k_blocks * bits / 8)]); zero
+    points None when every one is the kernel's implicit midpoint (symmetric blocks: GGUF Q4_0 and
+    Q8_0, symmetric GPTQ), whose kernel path is faster."""
+    n, k = blocks.shape
+    bits, block = blocks.bits, blocks.block_size
+    k_blocks = (k + block - 1) // block
+    codes = np.zeros((n, k_blocks * block), np.uint8)  # the last block zero-padded, as the kernel reads it
+    codes[:, :k] = blocks.codes
+    zp = blocks.zero_points
+    symmetric = bool((zp == 1 << (bits - 1)).all())
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        if k_blocks % 2:
+            zp = np.pad(zp, ((0, 0), (0, 1)))
+        zp = zp[:, 0::2] | (zp[:, 1::2] << 4)
+    return (np.ascontiguousarray(codes.reshape(n, k_blocks, block * bits // 8)),
+            np.ascontiguousarray(blocks.scales.astype(dtype)), None if symmetric else np.ascontiguousarray(zp))
 
 
 def _add_initializer(graph: onnx.GraphProto, name: str, arr: np.ndarray) -> None:
