@@ -23,7 +23,7 @@ def _export(args) -> int:
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
-        quant_symmetric=args.quant_scheme == "sym", stages=args.stages, stage_layers=args.stage_layers,
+        quant_symmetric=args.quant_scheme == "sym", quant_method=args.quant_method, stages=args.stages, stage_layers=args.stage_layers,
         return_hidden_states=args.return_hidden_states))
     return 0
 
@@ -448,8 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "onnxruntime; tensorrt: the portable graph as TensorRT's ONNX parser takes it (custom ops "
                         "as aot=1 plugins writing state in place; see 'graphkiln check'), also runs on onnxruntime")
     e.add_argument("--quant", default=None, choices=["int4", "int8"],
-                   help="weight-only quantization of the Linear layers (RTN, block-wise, "
-                        "com.microsoft.MatMulNBits; onnxruntime target only)")
+                   help="weight-only quantization of the Linear layers and the embedding (block-wise, "
+                        "com.microsoft.MatMulNBits / GatherBlockQuantized; onnxruntime target only). A GGUF or "
+                        "GPTQ/AWQ checkpoint keeps its own blocks where they map exactly")
+    e.add_argument("--quant-method", default="calibrated", choices=["calibrated", "search", "rtn"],
+                   help="how blocks are chosen: calibrated (default): scales searched to minimise the error in "
+                        "each layer's output, weighted by activations from a short calibration text; search: "
+                        "the same on the weights alone; rtn: round to nearest (fastest export)")
     e.add_argument("--quant-block-size", type=int, default=32, metavar="N",
                    help="weights per quantization block along the input features: 16, 32, 64, 128 or 256 "
                         "(what onnxruntime's MatMulNBits accepts; default 32)")

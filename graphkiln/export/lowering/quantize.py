@@ -54,6 +54,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphkiln.export.block_quant import quantize_blocks
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope, _drop_unused_initializers
 
@@ -71,9 +72,11 @@ class QuantStats:
     weights: int  # distinct weight initializers quantized
     float_bytes: int  # their size before
     quant_bytes: int  # packed weights + scales + zero points after
+    embeddings: int = 0  # embedding Gathers rewritten (GatherBlockQuantized)
 
     def summary(self) -> str:
-        return (f"{self.nodes} Linear layers, {self.float_bytes / 1e6:.1f} MB of float weights -> "
+        emb = f" and {self.embeddings} embedding" if self.embeddings else ""
+        return (f"{self.nodes} Linear layers{emb}, {self.float_bytes / 1e6:.1f} MB of float weights -> "
                 f"{self.quant_bytes / 1e6:.1f} MB")
 
 
@@ -89,22 +92,49 @@ def block_size_ok(block_size: int) -> bool:
     return block_size in MATMUL_NBITS_BLOCK_SIZES
 
 
+@dataclass(frozen=True)
+class QuantInputs:
+    """What the export knows about the weights before the lowering quantizes them: the checkpoint's
+    own blocks (``provided``, by parameter name: ``models.weights.prequantized_parameters``) and the
+    calibration pass's per-feature importance (``export.calibration``), also by parameter name."""
+
+    provided: dict
+    importance: dict
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    """A weight written as MatMulNBits tensors: their initializer names ("" zero points: none)."""
+
+    q: str
+    scales: str
+    zero_points: str
+    k: int
+    n: int
+    bits: int
+    block_size: int
+
+
 def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int = 32,
                             base_dir: str | Path | None = None, accuracy_level: int = ACCURACY_LEVEL,
-                            symmetric: bool = True, provided: dict | None = None) -> QuantStats:
-    """Rewrite the Linear layers of ``model.graph`` into ``com.microsoft.MatMulNBits``, in place.
+                            symmetric: bool = True, provided: dict | None = None, method: str = "rtn",
+                            importance: dict | None = None, embeddings: bool = True) -> QuantStats:
+    """Rewrite the Linear layers of ``model.graph`` into ``com.microsoft.MatMulNBits`` and (with
+    ``embeddings``) the embedding ``Gather`` into ``com.microsoft.GatherBlockQuantized``, in place.
 
     ``base_dir`` is where external-data files are (needed when weights are not loaded).
-    ``provided``: {parameter name: ``models.prequantized.BlockQuantized``}, the checkpoint's own
-    blocks, written as they are (their bits and block size) for the initializers of those
-    parameters (the exporter names a weight it stores transposed ``<parameter>.T``).
-    Float initializers no longer read by any node are dropped; others (e.g. an lm_head
-    weight the embedding Gather also reads) stay. Returns what was done.
+    ``method`` and ``importance`` ({parameter name: [K] mean squared input}, for ``calibrated``)
+    choose the block quantizer (``export.block_quant``). ``provided``: {parameter name:
+    ``models.prequantized.BlockQuantized``}, the checkpoint's own blocks, written as they are
+    (their bits and block size) for the initializers of those parameters (the exporter names a
+    weight it stores transposed ``<parameter>.T``). A tied embedding reads the head's blocks.
+    Float initializers no longer read by any node are dropped. Returns what was done.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if not block_size_ok(block_size):
         raise ValueError(f"block_size must be one of {MATMUL_NBITS_BLOCK_SIZES}, got {block_size}")
+    provided, importance = provided or {}, importance or {}
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     nodes = list(graph.node)
@@ -117,11 +147,36 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     transposed_weights = _transposed_weights(nodes, inits)
     names = _NameScope(graph)
 
-    quantized: dict[tuple[str, bool], tuple[str, str, str, int, int]] = {}  # (weight, [N, K]?) -> (q, scales, zp, K, N)
+    quantized: dict[tuple[str, bool], _Quantized] = {}  # (weight, stored [N, K]?) -> its tensors
     float_bytes = quant_bytes = 0
-    replace: dict[int, onnx.NodeProto] = {}  # node index -> its MatMulNBits
+    replace: dict[int, list[onnx.NodeProto]] = {}  # node index -> what replaces it
     drop_nodes: set[int] = set()  # indices of folded bias Adds
     candidates: set[str] = set()
+
+    def write(weight: str, init: TensorProto, blocks) -> _Quantized:
+        """Add a weight's MatMulNBits tensors (B [N, k_blocks, blob], scales, zero points)."""
+        nonlocal float_bytes, quant_bytes
+        q, scales, zp = pack_blocks(blocks, _FLOAT_TYPES[init.data_type])
+        stem = weight.replace("/", "_")
+        tensors = [(names.fresh(f"{stem}.q{blocks.bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
+        if zp is not None:
+            tensors.append((names.fresh(f"{stem}.zero_points"), zp))
+        for name, arr in tensors:
+            _add_initializer(graph, name, arr)
+        n, k = blocks.shape
+        float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
+        quant_bytes += sum(arr.nbytes for _, arr in tensors)
+        candidates.add(weight)
+        return _Quantized(tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n, blocks.bits,
+                          blocks.block_size)
+
+    def blocks_of(weight: str, init: TensorProto, stored_nk: bool, how: str, feature_weights=None):
+        param = weight.removesuffix(".T")
+        if param in provided:
+            return provided[param]
+        w = _read(init, base_dir)
+        w_nk = w if stored_nk else w.T  # Linear weights are stored [K, N]; a tied head's table [N, K]
+        return quantize_blocks(w_nk, bits, block_size, symmetric, how, feature_weights)
 
     for idx, node in enumerate(nodes):
         plan = _plan(node, inits, transposed_weights)
@@ -130,47 +185,38 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         weight, transposed, bias = plan
         init = inits[weight]
         if (weight, transposed) not in quantized:
-            given = (provided or {}).get(weight.removesuffix(".T"))
-            if given is not None:
-                n, k = given.shape
-                w_bits, w_block = given.bits, given.block_size
-                q, scales, zp = pack_blocks(given, _FLOAT_TYPES[init.data_type])
-            else:
-                w = _read(init, base_dir)
-                if transposed:  # Gemm transB=1: [N, K] -> [K, N]
-                    w = w.T
-                k, n = w.shape
-                w_bits, w_block = bits, block_size
-                q, scales, zp = _quantize(np.ascontiguousarray(w), bits, block_size, symmetric)
-                del w
-            stem = weight.replace("/", "_")
-            tensors = [(names.fresh(f"{stem}.q{w_bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
-            if zp is not None:
-                tensors.append((names.fresh(f"{stem}.zero_points"), zp))
-            for name, arr in tensors:
-                _add_initializer(graph, name, arr)
-            quantized[weight, transposed] = (tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n,
-                                             w_bits, w_block)
-            float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
-            quant_bytes += sum(arr.nbytes for _, arr in tensors)
-            candidates.add(weight)
-        qname, sname, zname, k, n, w_bits, w_block = quantized[weight, transposed]
+            blocks = blocks_of(weight, init, transposed, method, importance.get(weight.removesuffix(".T")))
+            quantized[weight, transposed] = write(weight, init, blocks)
+        qw = quantized[weight, transposed]
         out = node.output[0]
         if bias is None and node.op_type == "MatMul":  # fold a following bias Add
-            bias, add = _bias_add(out, nodes, consumers, graph_outputs, inits, n, init.data_type)
+            bias, add = _bias_add(out, nodes, consumers, graph_outputs, inits, qw.n, init.data_type)
             if add is not None:
                 drop_nodes.add(add)
                 out = nodes[add].output[0]
         if bias is not None:
             candidates.add(bias)
-        inputs = [node.input[0], qname, sname, zname] + (["", bias] if bias else [])
-        replace[idx] = helper.make_node(
+        inputs = [node.input[0], qw.q, qw.scales, qw.zero_points] + (["", bias] if bias else [])
+        replace[idx] = [helper.make_node(
             "MatMulNBits", inputs, [out], name=names.fresh(f"{node.name or weight}/MatMulNBits"),
-            domain=MS_DOMAIN, K=k, N=n, bits=w_bits, block_size=w_block, accuracy_level=accuracy_level)
+            domain=MS_DOMAIN, K=qw.k, N=qw.n, bits=qw.bits, block_size=qw.block_size, accuracy_level=accuracy_level)]
+
+    linear_nodes, embedding_nodes = len(replace), 0
+    if embeddings:
+        for idx, node in enumerate(nodes):
+            table = _embedding_table(node, inits)
+            if table is None or idx in replace:
+                continue
+            init = inits[table]
+            if (table, True) not in quantized:  # not a tied head's table: quantized for the Gather alone
+                # (no importance: an embedding row's error goes into the residual stream as it is)
+                quantized[table, True] = write(table, init, blocks_of(table, init, True, "rtn" if method == "rtn" else "search"))
+            replace[idx] = _gather_block_quantized(node, quantized[table, True], graph, names)
+            embedding_nodes += 1
 
     if not replace:
         return QuantStats(0, 0, 0, 0)
-    new_nodes = [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop_nodes]
+    new_nodes = [m for i, n in enumerate(nodes) if i not in drop_nodes for m in replace.get(i, [n])]
     # a tied head's Transpose that only the quantized MatMul read is dead now
     read = {o.name for o in graph.output} | {i for n in new_nodes for i in n.input}
     new_nodes = [n for n in new_nodes if n.output[0] not in transposed_weights or n.output[0] in read]
@@ -179,7 +225,44 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     _drop_unused_initializers(graph, candidates)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return QuantStats(len(replace), len(quantized), float_bytes, quant_bytes)
+    return QuantStats(linear_nodes, len(quantized), float_bytes, quant_bytes, embedding_nodes)
+
+
+def _embedding_table(node: onnx.NodeProto, inits) -> str | None:
+    """The float 2-D table an embedding ``Gather`` (axis 0, rows by token id) reads, else None."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    axis = [helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"]
+    if (axis and axis[0] != 0) or not _float_2d(node.input[0], inits) or node.input[1] in inits:
+        return None
+    return node.input[0]
+
+
+def _gather_block_quantized(node, qw: _Quantized, graph, names) -> list[onnx.NodeProto]:
+    """``Gather(table, ids)`` -> GatherBlockQuantized over the table's MatMulNBits tensors ``qw``.
+
+    The op takes 2-D data ``[V, k_blocks * blob]`` with the blocks on axis 1 and MatMulNBits'
+    own scales and packed zero points, so B ``[V, k_blocks, blob]`` is reshaped in the graph
+    (onnxruntime-genai's arrangement): every tensor is stored once, shared with the head's
+    MatMulNBits when tied. A K that is not a multiple of the block is sliced back.
+    """
+    stem = node.input[0].replace("/", "_")
+    shape = names.fresh(f"{stem}.rows_shape")
+    _add_initializer(graph, shape, np.array([qw.n, -1], np.int64))
+    rows = names.fresh(f"{qw.q}.rows")
+    out = [helper.make_node("Reshape", [qw.q, shape], [rows], name=names.fresh(f"{stem}/Reshape"))]
+    inputs = [rows, node.input[1], qw.scales] + ([qw.zero_points] if qw.zero_points else [])
+    padded = qw.k % qw.block_size != 0
+    gathered = names.fresh(f"{node.output[0]}.padded") if padded else node.output[0]
+    out.append(helper.make_node("GatherBlockQuantized", inputs, [gathered],
+                                name=names.fresh(f"{node.name or stem}/GatherBlockQuantized"), domain=MS_DOMAIN,
+                                gather_axis=0, quantize_axis=1, block_size=qw.block_size, bits=qw.bits))
+    if padded:
+        bounds = [names.fresh(f"{stem}.{what}") for what in ("slice_start", "slice_end", "slice_axis")]
+        for name, value in zip(bounds, (0, qw.k, -1)):
+            _add_initializer(graph, name, np.array([value], np.int64))
+        out.append(helper.make_node("Slice", [gathered, *bounds], [node.output[0]], name=names.fresh(f"{stem}/Slice")))
+    return out
 
 
 # --------------------------------------------------------------------------- selection
@@ -275,22 +358,6 @@ def _read(init: TensorProto, base_dir) -> np.ndarray:
     if arr.size != count:
         raise ValueError(f"initializer {init.name!r}: external data file is truncated")
     return arr.reshape(tuple(init.dims))
-
-
-def _quantize(w: np.ndarray, bits: int, block_size: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """RTN block-wise along K of w [K, N] -> (packed B, scales, packed zero points or None if symmetric)."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
-    k, n = w.shape
-    k_blocks = (k + block_size - 1) // block_size
-    packed = np.zeros((n, k_blocks, block_size * bits // 8), dtype=np.uint8)
-    scales = np.zeros((n, k_blocks), dtype=w.dtype)
-    zero_points = np.zeros((n, (k_blocks * bits + 7) // 8), dtype=np.uint8)
-    if k % block_size:  # the kernel reads whole blocks: pad K with zeros
-        w = np.pad(w, ((0, k_blocks * block_size - k), (0, 0)))
-    fn = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
-    fn(packed, w, scales, zero_points, block_size, n, k, symmetric)
-    return packed, scales, None if symmetric else zero_points
 
 
 def pack_blocks(blocks, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -1,0 +1,113 @@
+"""Block quantizers: a float ``[N, K]`` weight -> integer codes in blocks along K (``BlockQuantized``).
+
+Three methods, chosen by measurement on the real checkpoint (docs/quantization.md has the table):
+
+* ``rtn``: round to nearest. Symmetric: the block's value of largest magnitude maps to the most
+  negative code (scale = that value / -2^(bits-1)), as llama.cpp's Q4_0 and onnxruntime's own
+  quantizer do; asymmetric: min and max map to the end codes.
+* ``search``: for each block, a grid of scales around the RTN one; each candidate's codes are
+  rounded, then the scale is refitted by least squares given the codes; the candidate with the
+  least squared error wins (llama.cpp's ``make_qx_quants`` / ``make_qkx2_quants`` idea).
+* ``calibrated`` (the default): ``search`` with the error of column k weighted by ``importance[k]``,
+  the mean squared input of that feature (``export.calibration``): the error in the layer's output,
+  not in its weights, is what is minimised (llama.cpp's importance matrix).
+
+Symmetric blocks keep MatMulNBits' implicit midpoint (no zero points: its fastest CPU path);
+asymmetric ones store an integer zero point per block. Rows are processed a chunk at a time, so
+memory stays a few times one chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphkiln.models.prequantized import BlockQuantized
+
+METHODS = ("rtn", "search", "calibrated")
+# Scale candidates, as factors of the RTN scale (measured: wider or finer grids gained nothing on the
+# real checkpoint; see docs/quantization.md)
+_GRID = np.linspace(-0.12, 0.12, 9, dtype=np.float32)
+_CHUNK_ELEMENTS = 1 << 22  # weights per chunk of rows
+
+
+def quantize_blocks(w: np.ndarray, bits: int, block_size: int, symmetric: bool = True, method: str = "rtn",
+                    importance: np.ndarray | None = None) -> BlockQuantized:
+    """Quantize ``w`` (float ``[N, K]``) in blocks of ``block_size`` along K. ``importance``: float
+    ``[K]`` weights of the columns (``calibrated``; ignored otherwise)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    n, k = w.shape
+    k_blocks = (k + block_size - 1) // block_size
+    padded = k_blocks * block_size
+    col_weight = None
+    if method == "calibrated" and importance is not None:
+        col_weight = np.zeros(padded, np.float32)
+        # a feature that never fired still counts a little, so its columns are not rounded at random
+        imp = np.asarray(importance, np.float32)
+        col_weight[:k] = imp + 1e-3 * float(imp.mean()) + 1e-12
+        col_weight = col_weight.reshape(k_blocks, block_size)
+    codes = np.empty((n, padded), np.uint8)
+    scales = np.empty((n, k_blocks), np.float32)
+    zero_points = np.empty((n, k_blocks), np.uint8)
+    rows = max(1, _CHUNK_ELEMENTS // padded)
+    for start in range(0, n, rows):
+        chunk = np.asarray(w[start:start + rows], dtype=np.float32)
+        if padded != k:
+            chunk = np.pad(chunk, ((0, 0), (0, padded - k)))
+        x = chunk.reshape(-1, block_size)
+        weights = None if col_weight is None else np.broadcast_to(
+            col_weight[None], (chunk.shape[0], k_blocks, block_size)).reshape(-1, block_size)
+        q, s, z = _quantize(x, bits, symmetric, method != "rtn", weights)
+        end = start + chunk.shape[0]
+        codes[start:end] = q.reshape(chunk.shape[0], padded)
+        scales[start:end] = s.reshape(-1, k_blocks)
+        zero_points[start:end] = z.reshape(-1, k_blocks)
+    return BlockQuantized(np.ascontiguousarray(codes[:, :k]), scales, zero_points, bits, block_size,
+                          f"{method}-{'sym' if symmetric else 'asym'}")
+
+
+def _quantize(x: np.ndarray, bits: int, symmetric: bool, search: bool, weights: np.ndarray | None):
+    """Blocks ``x [B, block]`` -> (codes uint8 [B, block], scales float32 [B], zero points uint8 [B])."""
+    qmax = float((1 << bits) - 1)
+    mid = float(1 << (bits - 1))
+    if symmetric:
+        peak = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]
+        base = peak / -mid
+    else:
+        lo, hi = x.min(axis=1), x.max(axis=1)
+        base = (hi - lo) / qmax
+    base = np.where(base == 0, np.float32(1), base).astype(np.float32)
+
+    def zero_point(s):
+        return np.full(s.shape, mid, np.float32) if symmetric else np.clip(np.round(-lo / s), 0, qmax)
+
+    if not search:
+        z = zero_point(base)
+        return _codes(x, base, z, qmax), base, z.astype(np.uint8)
+    wx = x if weights is None else weights * x
+    total = (wx * x).sum(axis=1)  # sum W x^2
+    best_err = np.full(x.shape[0], np.inf, np.float32)
+    best_s, best_z = base, zero_point(base)
+    for f in _GRID:
+        s = base * (1 + f)
+        z = zero_point(s)
+        d = _codes(x, s, z, qmax).astype(np.float32) - z[:, None]
+        wd = d if weights is None else weights * d
+        num = (wd * x).sum(axis=1)
+        den = (wd * d).sum(axis=1)
+        ok = den > 0
+        fit = np.where(ok, num / np.where(ok, den, 1), s)  # least-squares scale for these codes
+        err = np.where(ok, total - num * num / np.where(ok, den, 1), total)  # its weighted squared error
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, fit, best_s)
+        best_z = np.where(better, z, best_z)
+    best_s = np.where(best_s == 0, np.float32(1), best_s).astype(np.float32)
+    # codes rounded again for the refitted scale (same zero point): each moves to the nearest level,
+    # so the error is at most the candidate's
+    return _codes(x, best_s, best_z, qmax), best_s, best_z.astype(np.uint8)
+
+
+def _codes(x, s, z, qmax):
+    """Codes of blocks ``x`` for scales ``s`` and zero points ``z`` (both [B])."""
+    return np.clip(np.round(x / s[:, None]) + z[:, None], 0, qmax).astype(np.uint8)

@@ -1,0 +1,84 @@
+"""Activation statistics for the quantizer: how much each input feature of each Linear matters.
+
+Rounding error in weight column k of a Linear costs ``E[x_k^2]`` times its square in the layer's
+output (x: the layer's input), so the quantizer (``export.lowering.quantize``) minimises the
+error weighted by these per-feature means, as llama.cpp's importance matrix does. They come from
+one forward pass of the float torch decoder (the module about to be traced) over a calibration
+text, tokenized with the checkpoint's own tokenizer: ``graphkiln/data/calibration.txt``, a mix
+of prose, dialogue, code and lists written for this project, and deliberately not the text
+``graphkiln verify`` scores perplexity on (graphkiln/data/prose.txt), so the figure it reports is
+not measured on the calibration data.
+
+Returned by parameter name (``model.layers.3.mlp.down_proj.weight``, ``lm_head.weight``), the
+name the exporter gives the weight's initializer (``<name>.T`` when stored transposed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
+CALIBRATION_TOKENS = 512  # one window; measured enough on the real checkpoint (see docs/quantization.md)
+
+
+def calibration_ids(checkpoint: Path, limit: int) -> list[int] | None:
+    """The calibration text's first ``limit`` token ids under the checkpoint's tokenizer.json, or None
+    when the checkpoint has no (readable) tokenizer.json."""
+    path = checkpoint / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # a tokenizer the library cannot read: the export copies it and fails there if it matters
+        return None
+    ids = tok.encode(CALIBRATION_TEXT.read_text(encoding="utf-8")).ids
+    return ids[:limit] if len(ids) >= 2 else None
+
+
+def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:
+    """{weight parameter name: float32 [in_features] mean squared input} for every ``nn.Linear`` of
+    ``decoder`` (a ``models.decoder.DecoderForExport``) over one forward pass of ``ids``."""
+    import torch
+
+    cfg = decoder.cfg
+    dtype = decoder.lm_head.weight.dtype
+    seq = len(ids)
+    sums: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def hook(name):
+        def record(module, inputs, output):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+
+        return record
+
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_hook(hook(f"{name}.weight")))
+    args: list = [torch.tensor([ids]), torch.arange(seq).unsqueeze(0), torch.arange(seq).unsqueeze(0)]
+    if cfg.vision_seam:  # no image rows
+        args += [torch.zeros(0, cfg.hidden_size, dtype=dtype), torch.zeros(0, dtype=torch.long)]
+    if cfg.mrope_section:
+        args.append(torch.arange(seq).expand(3, 1, seq).contiguous())
+    if cfg.image_lookahead:
+        args.append(torch.zeros(1, seq, dtype=torch.long))
+    if cfg.layers_of("conv"):
+        args += [torch.tensor([seq]), torch.tensor([0])]
+    for layer in cfg.layers:
+        if layer.mixer == "attention":
+            args += [torch.zeros(1, cfg.num_kv_heads, seq, cfg.head_dim, dtype=dtype) for _ in range(2)]
+        else:
+            args.append(torch.zeros(1, cfg.hidden_size, cfg.conv_kernel - 1, dtype=dtype))
+    try:
+        with torch.no_grad():
+            decoder(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    # (a tied head shares the embedding's parameter, but its Linear is lm_head: named by the module)
+    return {name: (s / seq).to(torch.float32).numpy() for name, s in sums.items()}
