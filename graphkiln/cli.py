@@ -304,7 +304,7 @@ def _verify(args) -> int:
         if i:
             engine = Engine.load(args.artifact, target=graph.target, check_files=False)  # hashed by the first load
         report = verify_artifact(args.artifact, args.reference, steps=args.steps, seed=args.seed, atol=args.atol,
-                                 engine=engine)
+                                 engine=engine, text=args.text)
         print((f"{graph.file} (target {graph.target}): " if len(graphs) > 1 else "") + report.summary())
         passed = passed and report.passed
     return 0 if passed else 1
@@ -510,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=_number(0.0), default=None, help="default: 1e-4 for fp32 artifacts")
     v.add_argument("--target", default=None, choices=["portable", "onnxruntime", "tensorrt"],
                    help="verify only the graph exported for this target (default: every graph in the artifact)")
+    v.add_argument("--text", default=None, metavar="FILE",
+                   help="quantized artifacts: the UTF-8 text whose perplexity is compared with the reference's "
+                        "(default: built-in English prose)")
     v.set_defaults(fn=_verify)
 
     c = sub.add_parser("check", help="check an artifact's graphs against a backend's published operator support")

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import torch
 from torch.export import Dim
 
@@ -102,12 +104,40 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
             del program
     if len(reps) == cfg.num_layers:
         program = _trace(model, opset)
+    name_head_weight(program.model, model)
     used = custom_ops.attach_functions(program.model)
     program.model.ir_version = IR_FOR_OPSET[opset]
     program.model.producer_name = "graphkiln"
     save_model(program.model, out_dir / file_name)
     del program
     return TracedDecoder(GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used, reps, refused)
+
+
+def name_head_weight(ir_model, model) -> None:
+    """Name an untied head's pre-transposed weight ``lm_head.weight.T``, as layer weights are named.
+
+    The exporter folds ``lm_head.weight``'s transpose into an anonymous constant (``val_38``); the
+    quantizer finds a weight's calibration statistics and a checkpoint's own blocks by the
+    ``<parameter>.T`` name, so without this the head (the largest Linear) would get neither. A
+    tied head is read through a Transpose of the embedding table, which keeps its name.
+    """
+    head = model.lm_head.weight
+    if head is model.model.embed_tokens.weight or head.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+        return
+    graph = ir_model.graph
+    if "lm_head.weight.T" in graph.initializers:
+        return
+    want = tuple(head.shape[::-1])
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is None or tuple(tensor.shape) != want or name.startswith(("model.", "lm_head.")):
+            continue
+        arr = tensor.numpy()
+        if arr.dtype.itemsize == head.element_size() and np.array_equal(arr.T, head.detach().numpy().view(arr.dtype)):
+            graph.initializers.pop(name)
+            value.name = "lm_head.weight.T"
+            graph.register_initializer(value)
+            return
 
 
 def _trace(model: DecoderForExport, opset: int):

@@ -287,7 +287,7 @@ def _quant_inputs(src: Path, decoder, prequantized: dict, opts: ExportOptions):
 
     importance = {}
     if opts.quant_method == "calibrated":
-        ids = calibration_ids(src, CALIBRATION_TOKENS)
+        ids = calibration_ids(src, min(CALIBRATION_TOKENS, decoder.rope_positions))  # within the rotary tables
         if ids is None:
             _say(opts, "      no tokenizer.json to calibrate with: quantizing by weight error (--quant-method search)")
             opts = dataclasses.replace(opts, quant_method="search")

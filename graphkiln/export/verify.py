@@ -5,7 +5,9 @@ lengths) and greedy generation over ``steps`` tokens, step logits included. Need
 ``export`` extra because the reference is transformers.
 
 Quantized artifacts (``export --quant``) are compared with the same fp32 reference, so the
-difference is the quantization's, and they get their own defaults: a bound on the RMS
+difference is the quantization's, and they get their own defaults: perplexity on a text
+(``graphkiln.perplexity``; the built-in prose or ``--text FILE``) within a bound of the
+reference's on the same token windows, when the artifact has a tokenizer; a bound on the RMS
 logits error relative to the reference logits' spread (RMS about each row's mean), and
 top-1 agreement at every compared position (same context: all prompt positions, and
 generation steps up to each row's first divergence). The largest error is reported but not
@@ -55,6 +57,11 @@ DEFAULT_MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.75, "bf16": 0.5}
 DEFAULT_QUANT_RTOL = {"int8": 0.1, "int4": 0.5}  # bound on rms_rel_error
 DEFAULT_QUANT_MIN_TOP1 = {"int8": 0.8, "int4": 0.2}
 DEFAULT_QUANT_MIN_AGREEMENT = {"int8": 0.1, "int4": 0.0}  # greedy: random weights diverge early
+# Perplexity on a text (graphkiln.perplexity) vs the reference's on the same token windows: the bound on
+# the ratio. Measured on the real checkpoint (SmolLM2-135M, built-in text): int8 1.01, int4 1.11 (the
+# default calibrated search; round-to-nearest 1.30); random tiny models move less. A broken int4
+# artifact (scales off by 25%) measured >= 1.5 on the real checkpoint.
+DEFAULT_QUANT_MAX_PPL_RATIO = {"int8": 1.05, "int4": 1.25}
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,17 @@ class VerifyReport:
     vision_checked: tuple[str, ...] = ()  # vision-path cases compared (vision-language artifacts)
     vision_skipped: tuple[str, ...] = ()  # ... and the ones that did not fit, with why
     vision_max_abs_error: float = 0.0  # largest logits error over the vision cases (included in max_abs_error)
+    # quantized artifacts with a tokenizer: perplexity on a text, ours and the reference's (same windows)
+    perplexity: float | None = None
+    reference_perplexity: float | None = None
+    perplexity_tokens: int = 0
+    max_perplexity_ratio: float | None = None  # bound on perplexity / reference_perplexity
+
+    @property
+    def perplexity_ratio(self) -> float | None:
+        if self.perplexity is None or not self.reference_perplexity:
+            return None
+        return self.perplexity / self.reference_perplexity
 
     @property
     def agreement(self) -> float:
@@ -88,9 +106,14 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
+        # with a perplexity measured on real text, it replaces the RMS bound, which was set on random
+        # weights and random prompts (a real model's logits on random prompts spread differently)
+        rms_applies = self.rtol is not None and self.perplexity_ratio is None
         return (self.nonfinite is None and self.max_abs_error <= self.atol and self.agreement >= self.min_agreement
-                and (self.rtol is None or self.rms_rel_error <= self.rtol)
-                and (self.min_top1 is None or self.top1_agreement >= self.min_top1))
+                and (not rms_applies or self.rms_rel_error <= self.rtol)
+                and (self.min_top1 is None or self.top1_agreement >= self.min_top1)
+                and (self.max_perplexity_ratio is None or self.perplexity_ratio is None
+                     or self.perplexity_ratio <= self.max_perplexity_ratio))
 
     def summary(self) -> str:
         shapes = ", ".join("batch %d (lengths %s)" % (len(s), "/".join(map(str, s))) for s in self.batch_shapes)
@@ -110,8 +133,16 @@ class VerifyReport:
                     f"max rel error {self.max_rel_error:.3g}; " + greedy + verdict)
         atol = f" (tolerance {self.atol:g})" if self.atol != float("inf") else ""
         rtol = f" (tolerance {self.rtol:g})" if self.rtol is not None else ""
+        if self.rtol is not None and self.perplexity_ratio is not None:
+            rtol = f" (tolerance {self.rtol:g} for random weights; perplexity decides)"
         top1 = f", need {100 * self.min_top1:.0f}%" if self.min_top1 is not None else ""
+        ppl = ""
+        if self.perplexity_ratio is not None:
+            bound = f", need <= {self.max_perplexity_ratio:g}x" if self.max_perplexity_ratio is not None else ""
+            ppl = (f"perplexity {self.perplexity:.3f} vs reference {self.reference_perplexity:.3f} "
+                   f"({self.perplexity_ratio:.3f}x{bound}, {self.perplexity_tokens} tokens); ")
         return (f"{self.quant} weights vs fp32 reference (quantization error, not a parity check): checked {shapes}; "
+                + ppl +
                 f"logits RMS error / RMS spread {self.rms_rel_error:.3g}{rtol}, max abs error {self.max_abs_error:.3g}{atol}; "
                 f"top-1 identical at {self.positions_top1_agreed}/{self.positions_compared} positions "
                 f"({100 * self.top1_agreement:.1f}%{top1}); " + greedy + verdict)
@@ -161,9 +192,40 @@ def _check_same_vocabulary(model, vocab: int, reference: str) -> None:
                              "verify against the checkpoint the artifact was exported from")
 
 
+def reference_perplexity(model, parts: list[list[int]]):
+    """The transformers model's perplexity on the same token windows ``graphkiln.perplexity`` scores."""
+    import torch
+
+    from graphkiln.perplexity import Perplexity
+
+    nll, count = 0.0, 0
+    for part in parts:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([part])).logits[0].float()
+        logp = torch.log_softmax(logits[:-1].double(), dim=-1)
+        nll -= float(logp.gather(1, torch.tensor(part[1:]).unsqueeze(1)).sum())
+        count += len(part) - 1
+    return Perplexity(nll / count, count)
+
+
+def _perplexities(engine: Engine, model, text: str | None):
+    """(ours, the reference's) perplexity on ``text`` (None: the built-in prose), or None without a tokenizer."""
+    from graphkiln.perplexity import DEFAULT_WINDOW, artifact_perplexity, read_text, windows
+
+    if engine.tokenizer is None:
+        return None
+    text = read_text(text)
+    ours = artifact_perplexity(engine, text)
+    ref = reference_perplexity(model, windows(engine.tokenizer.encode(text), DEFAULT_WINDOW, engine.max_seq_len))
+    return ours, ref
+
+
 def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed: int = 0,
                     batch_shapes: tuple[tuple[int, ...], ...] | None = None, atol: float | None = None,
-                    min_agreement: float | None = None, engine: Engine | None = None) -> VerifyReport:
+                    min_agreement: float | None = None, engine: Engine | None = None,
+                    text: str | Path | None = None) -> VerifyReport:
+    """Compare ``artifact`` with ``reference`` (see the module docstring). A quantized artifact with a
+    tokenizer is also scored on ``text`` (a file; None: the built-in prose) beside the reference."""
     import torch
 
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
@@ -276,8 +338,11 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
                 vision_checked.append(label)
     except _NonFinite as exc:
         nonfinite = str(exc)
+    ppl = None
     if quant:  # compared with the fp32 reference: quantization error bounds (see module docstring)
         default_atol, default_agreement = float("inf"), DEFAULT_QUANT_MIN_AGREEMENT.get(quant, 0.0)
+        if nonfinite is None:
+            ppl = _perplexities(engine, model, text)
     else:
         default_atol, default_agreement = DEFAULT_ATOL.get(dtype, 1e-4), DEFAULT_MIN_AGREEMENT.get(dtype, 1.0)
     return VerifyReport(
@@ -299,6 +364,10 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         vision_checked=tuple(vision_checked),
         vision_skipped=tuple(vision_skipped),
         vision_max_abs_error=vision_max,
+        perplexity=ppl[0].value if ppl else None,
+        reference_perplexity=ppl[1].value if ppl else None,
+        perplexity_tokens=ppl[0].tokens if ppl else 0,
+        max_perplexity_ratio=DEFAULT_QUANT_MAX_PPL_RATIO.get(quant) if quant else None,
     )
 
 

@@ -73,7 +73,10 @@ def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Te
 
 def _open_shards(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors shard holding it."""
-    shards = sorted(model_dir.glob("*.safetensors"))
+    from graphkiln.models.prequantized import PREQUANTIZED_FILE
+
+    # the sidecar of a converted checkpoint's stored blocks is not a weight shard
+    shards = sorted(p for p in model_dir.glob("*.safetensors") if p.name != PREQUANTIZED_FILE)
     if not shards:
         raise GraphkilnError(f"no *.safetensors files in {model_dir}: save the checkpoint with safe_serialization=True")
     where: dict[str, Path] = {}
