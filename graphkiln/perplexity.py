@@ -50,11 +50,11 @@ def read_text(path: str | Path | None) -> str:
 
 
 def windows(ids: list[int], window: int, max_len: int) -> list[list[int]]:
-    """Consecutive windows of ``min(window, max_len)`` tokens (a last, shorter one kept if it scores
-    anything: two tokens or more)."""
+    """Consecutive windows of ``min(window, max_len - 1)`` tokens (a prompt must leave the artifact
+    room for one more position; a last, shorter window kept if it scores anything: two tokens or more)."""
     if window < 2:
         raise GraphkilnError(f"window must be at least 2 tokens, got {window}")
-    size = min(window, max_len)
+    size = max(2, min(window, max_len - 1))
     out = [ids[i:i + size] for i in range(0, len(ids), size)]
     out = [w for w in out if len(w) >= 2]
     if not out:
