@@ -23,9 +23,9 @@ CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.t
 CALIBRATION_TOKENS = 512  # one window; measured enough on the real checkpoint (see docs/quantization.md)
 
 
-def calibration_ids(checkpoint: Path, limit: int) -> list[int] | None:
-    """The calibration text's first ``limit`` token ids under the checkpoint's tokenizer.json, or None
-    when the checkpoint has no (readable) tokenizer.json."""
+def calibration_ids(checkpoint: Path, limit: int, vocab_size: int) -> list[int] | None:
+    """The calibration text's first ``limit`` token ids under the checkpoint's tokenizer.json (ids the
+    model's vocabulary lacks dropped), or None when the checkpoint has no (readable) tokenizer.json."""
     path = checkpoint / "tokenizer.json"
     if not path.is_file():
         return None
@@ -35,8 +35,8 @@ def calibration_ids(checkpoint: Path, limit: int) -> list[int] | None:
         tok = Tokenizer.from_file(str(path))
     except Exception:  # a tokenizer the library cannot read: the export copies it and fails there if it matters
         return None
-    ids = tok.encode(CALIBRATION_TEXT.read_text(encoding="utf-8")).ids
-    return ids[:limit] if len(ids) >= 2 else None
+    ids = [i for i in tok.encode(CALIBRATION_TEXT.read_text(encoding="utf-8")).ids if i < vocab_size][:limit]
+    return ids if len(ids) >= 2 else None
 
 
 def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:

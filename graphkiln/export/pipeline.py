@@ -287,7 +287,7 @@ def _quant_inputs(src: Path, decoder, prequantized: dict, opts: ExportOptions):
 
     importance = {}
     if opts.quant_method == "calibrated":
-        ids = calibration_ids(src, min(CALIBRATION_TOKENS, decoder.rope_positions))  # within the rotary tables
+        ids = calibration_ids(src, min(CALIBRATION_TOKENS, decoder.rope_positions), decoder.cfg.vocab_size)
         if ids is None:
             _say(opts, "      no tokenizer.json to calibrate with: quantizing by weight error (--quant-method search)")
             opts = dataclasses.replace(opts, quant_method="search")
@@ -372,6 +372,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
 
     from graphkiln.export.onnx_export import NP_DTYPE, export_decoder
     from graphkiln.models.config import architecture_of
+    from graphkiln.models.prequantized import sidecar_default_bits
     from graphkiln.models.weights import check_checkpoint, load_decoder, prequantized_parameters, read_config
 
     # Everything that can be refused from the checkpoint's JSON files and safetensors headers is
@@ -392,14 +393,17 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     generation = generation_defaults(src, raw, cfg.vocab_size, note=lambda msg: _say(opts, msg))
     check_checkpoint(src, family, cfg)
     prequantized = prequantized_parameters(src, family, cfg)
-    if prequantized and opts.quant is None and targets == ("onnxruntime",) and opts.dtype in ("fp32", "fp16"):
-        # a quantized checkpoint stays quantized (as llama.cpp runs a GGUF): the rest of its Linear
-        # weights get the bits most of its stored blocks have
+    stored_bits = sidecar_default_bits(src)
+    if ((prequantized or stored_bits) and opts.quant is None and targets == ("onnxruntime",)
+            and opts.dtype in ("fp32", "fp16")):
+        # a quantized checkpoint stays quantized (as llama.cpp runs a GGUF): the weights without
+        # stored blocks get the width most of the checkpoint's quantized weights had (the converter
+        # records it: a Q4_1 GGUF is int4 though only its Q8_0 head maps), else the blocks' own
         from collections import Counter
 
         from graphkiln.export.lowering.quantize import QUANT_BITS
 
-        bits = Counter(b.bits for b in prequantized.values()).most_common(1)[0][0]
+        bits = stored_bits or Counter(b.bits for b in prequantized.values()).most_common(1)[0][0]
         opts = dataclasses.replace(opts, quant=next(q for q, b in QUANT_BITS.items() if b == bits))
         _say(opts, f"      the checkpoint stores quantized blocks: exporting as --quant {opts.quant}")
     if not (opts.quant and targets == ("onnxruntime",)):

@@ -228,6 +228,7 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
 
     writer = _ShardWriter(dest)
     blocks = {}
+    widths = {4: 0, 8: 0}  # elements of quantized 2-D weights by the width they were stored at
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     for t in layout.tensors:
         data = tensor_data(path, layout, t, blob)
@@ -258,6 +259,8 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
         if tuple(w.shape) != expected[hf]:
             raise GraphkilnError(f"{name}: tensor '{t.name}' has shape {tuple(w.shape)}, but the metadata implies "
                                  f"{expected[hf]} for {hf}: the file is inconsistent; {_FIX}")
+        if w.ndim == 2 and _stored_bits(t.qtype.name) is not None:
+            widths[_stored_bits(t.qtype.name)] += w.size
         if t.qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0) and w.ndim == 2 and "norm" not in hf:
             b = exact_blocks(data, t, w, processor, mapping)
             if b is not None:
@@ -268,8 +271,19 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
         raise GraphkilnError(f"{name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}): the file "
                              f"is incomplete; {_FIX}")
     writer.close()
-    if blocks:
-        write_sidecar(dest, blocks)
+    default_bits = max(widths, key=widths.get) if any(widths.values()) else None
+    if blocks or default_bits:
+        write_sidecar(dest, blocks, default_bits)
+
+
+def _stored_bits(qtype: str) -> int | None:
+    """The MatMulNBits width nearest a GGML type's (4: Q2..Q4 and 4-bit IQ types; 8: Q5, Q6, Q8), or
+    None for float types: what an export without --quant gives the weights it dequantized."""
+    if qtype.startswith(("Q5", "Q6", "Q8")):
+        return 8
+    if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ")):
+        return 4
+    return None
 
 
 def exact_blocks(data: np.ndarray, t: "TensorInfo", w: np.ndarray, processor=None, mapping=None):

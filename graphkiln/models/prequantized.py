@@ -88,8 +88,13 @@ def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized | None:
                           "+".join(formats))
 
 
-def write_sidecar(directory: Path, blocks: dict[str, BlockQuantized]) -> None:
-    """Write ``blocks`` (checkpoint tensor name -> blocks) into ``directory / PREQUANTIZED_FILE``."""
+_DEFAULT_BITS_KEY = "graphkiln.default_bits"
+
+
+def write_sidecar(directory: Path, blocks: dict[str, BlockQuantized], default_bits: int | None = None) -> None:
+    """Write ``blocks`` (checkpoint tensor name -> blocks) into ``directory / PREQUANTIZED_FILE``.
+    ``default_bits``: the width most of the checkpoint's quantized weights had, mapped or not (a Q4_1
+    GGUF: 4), which an export without ``--quant`` uses for the weights that have no blocks here."""
     from safetensors.numpy import save_file
 
     tensors, meta = {}, {}
@@ -98,7 +103,23 @@ def write_sidecar(directory: Path, blocks: dict[str, BlockQuantized]) -> None:
         tensors[f"{name}.scales"] = np.ascontiguousarray(b.scales.astype(np.float32))
         tensors[f"{name}.zero_points"] = np.ascontiguousarray(b.zero_points)
         meta[name] = {"bits": b.bits, "block_size": b.block_size, "format": b.format}
-    save_file(tensors, str(directory / PREQUANTIZED_FILE), metadata={_META_KEY: json.dumps(meta)})
+    extra = {_DEFAULT_BITS_KEY: str(default_bits)} if default_bits in (4, 8) else {}
+    save_file(tensors, str(directory / PREQUANTIZED_FILE), metadata={_META_KEY: json.dumps(meta), **extra})
+
+
+def sidecar_default_bits(directory: Path) -> int | None:
+    """The ``default_bits`` the converter recorded (see ``write_sidecar``), or None."""
+    path = directory / PREQUANTIZED_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            value = (f.metadata() or {}).get(_DEFAULT_BITS_KEY)
+    except (OSError, ValueError) as exc:
+        raise GraphkilnError(f"{path} is malformed ({exc}): delete it, or convert the checkpoint again") from None
+    return int(value) if value in ("4", "8") else None
 
 
 def read_sidecar(directory: Path) -> dict[str, BlockQuantized]:
