@@ -67,47 +67,52 @@ def quantize_blocks(w: np.ndarray, bits: int, block_size: int, symmetric: bool =
 
 
 def _quantize(x: np.ndarray, bits: int, symmetric: bool, search: bool, weights: np.ndarray | None):
-    """Blocks ``x [B, block]`` -> (codes uint8 [B, block], scales float32 [B], zero points uint8 [B])."""
+    """Blocks ``x [B, block]`` -> (codes uint8 [B, block], scales float32 [B], zero points uint8 [B]).
+
+    In torch (float32, the export's threads): the same arithmetic as numpy, ~3x faster here."""
+    import torch
+
+    xt = torch.from_numpy(x)
+    wt = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights))
     qmax = float((1 << bits) - 1)
     mid = float(1 << (bits - 1))
     if symmetric:
-        peak = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]
+        peak = torch.gather(xt, 1, xt.abs().argmax(dim=1, keepdim=True))[:, 0]
         base = peak / -mid
+        lo = None
     else:
-        lo, hi = x.min(axis=1), x.max(axis=1)
+        lo, hi = xt.amin(dim=1), xt.amax(dim=1)
         base = (hi - lo) / qmax
-    base = np.where(base == 0, np.float32(1), base).astype(np.float32)
+    base = torch.where(base == 0, torch.ones_like(base), base)
 
     def zero_point(s):
-        return np.full(s.shape, mid, np.float32) if symmetric else np.clip(np.round(-lo / s), 0, qmax)
+        return torch.full_like(s, mid) if lo is None else torch.clamp(torch.round(-lo / s), 0, qmax)
 
-    if not search:
-        z = zero_point(base)
-        return _codes(x, base, z, qmax), base, z.astype(np.uint8)
-    wx = x if weights is None else weights * x
-    total = (wx * x).sum(axis=1)  # sum W x^2
-    best_err = np.full(x.shape[0], np.inf, np.float32)
+    def levels(s, z):  # codes minus zero points, as floats
+        return torch.clamp(torch.round(xt / s[:, None]) + z[:, None], 0, qmax) - z[:, None]
+
     best_s, best_z = base, zero_point(base)
-    for f in _GRID:
-        s = base * (1 + f)
-        z = zero_point(s)
-        d = _codes(x, s, z, qmax).astype(np.float32) - z[:, None]
-        wd = d if weights is None else weights * d
-        num = (wd * x).sum(axis=1)
-        den = (wd * d).sum(axis=1)
-        ok = den > 0
-        fit = np.where(ok, num / np.where(ok, den, 1), s)  # least-squares scale for these codes
-        err = np.where(ok, total - num * num / np.where(ok, den, 1), total)  # its weighted squared error
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_s = np.where(better, fit, best_s)
-        best_z = np.where(better, z, best_z)
-    best_s = np.where(best_s == 0, np.float32(1), best_s).astype(np.float32)
-    # codes rounded again for the refitted scale (same zero point): each moves to the nearest level,
-    # so the error is at most the candidate's
-    return _codes(x, best_s, best_z, qmax), best_s, best_z.astype(np.uint8)
-
-
-def _codes(x, s, z, qmax):
-    """Codes of blocks ``x`` for scales ``s`` and zero points ``z`` (both [B])."""
-    return np.clip(np.round(x / s[:, None]) + z[:, None], 0, qmax).astype(np.uint8)
+    if search:
+        wx = xt if wt is None else wt * xt
+        total = (wx * xt).sum(dim=1)  # sum W x^2
+        best_err = torch.full_like(base, float("inf"))
+        for f in _GRID:
+            s = base * (1 + float(f))
+            z = zero_point(s)
+            d = levels(s, z)
+            wd = d if wt is None else wt * d
+            num = (wd * xt).sum(dim=1)
+            den = (wd * d).sum(dim=1)
+            ok = den > 0
+            safe = torch.where(ok, den, torch.ones_like(den))
+            fit = torch.where(ok, num / safe, s)  # least-squares scale for these codes
+            err = torch.where(ok, total - num * num / safe, total)  # its weighted squared error
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, fit, best_s)
+            best_z = torch.where(better, z, best_z)
+        best_s = torch.where(best_s == 0, torch.ones_like(best_s), best_s)
+    # codes rounded again for the chosen (refitted) scale, same zero point: each moves to the nearest
+    # level, so the error is at most the candidate's
+    codes = (levels(best_s, best_z) + best_z[:, None]).to(torch.uint8)
+    return codes.numpy(), best_s.numpy().astype(np.float32), best_z.to(torch.uint8).numpy()
