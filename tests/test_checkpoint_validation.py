@@ -174,12 +174,23 @@ def test_float64_weights_are_converted(llama_case, checkpoint_copy):
     torch.testing.assert_close(w, ref)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "fp8", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "fp8", "hqq"])
 def test_quantized_checkpoints_are_refused(llama_case, checkpoint_copy, out_dir, capsys, method):
     ckpt = checkpoint_copy(llama_case)
     edit_json(ckpt / "config.json", quantization_config={"quant_method": method, "bits": 4})
     export_fails(capsys, ckpt, out_dir, f"quantized checkpoints (quant_method {method}) are not supported",
                  "use --quant")
+
+
+@pytest.mark.parametrize("method, needle", [("gptq", "no checkpoint tensor is a '*.qweight'"),
+                                            ("awq", "no checkpoint tensor is a '*.qweight'"),
+                                            ("compressed-tensors", "'config_groups' is missing")])
+def test_convertible_quant_methods_without_their_tensors_are_refused(llama_case, checkpoint_copy, out_dir, capsys,
+                                                                     method, needle):
+    """A config.json claiming a method graphkiln converts (tests/test_hf_quantized.py) over float weights."""
+    ckpt = checkpoint_copy(llama_case)
+    edit_json(ckpt / "config.json", quantization_config={"quant_method": method, "bits": 4})
+    export_fails(capsys, ckpt, out_dir, needle)
 
 
 # -- 3. ill-typed config values -----------------------------------------------------------------
@@ -431,13 +442,14 @@ def test_matmul_nbits_block_sizes_are_what_onnxruntime_accepts(bits, block):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from graphkiln.export.lowering.quantize import _quantize, block_size_ok, dequantize_reference
+    from graphkiln.export.block_quant import quantize_blocks
+    from graphkiln.export.lowering.quantize import block_size_ok, dequantize_reference, pack_blocks
 
     k, n = 512, 16
     rng = np.random.default_rng(block)
     w, x = rng.standard_normal((k, n)).astype(np.float32), rng.standard_normal((2, k)).astype(np.float32)
     try:
-        q, scales, _ = _quantize(w, bits, block, True)
+        q, scales, _ = pack_blocks(quantize_blocks(np.ascontiguousarray(w.T), bits, block), np.float32)
         node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
                                 block_size=block, accuracy_level=0)
         graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, k])],
@@ -451,7 +463,12 @@ def test_matmul_nbits_block_sizes_are_what_onnxruntime_accepts(bits, block):
         works = np.allclose(y, x @ dequantize_reference(q, scales, None, k, bits), atol=1e-3)
     except Exception:
         works = False
-    assert block_size_ok(block) == works
+    # every size graphkiln offers works; sizes the kernel refuses are refused (512 works in the kernel
+    # but is not offered: nothing else here has been measured with it)
+    if block_size_ok(block):
+        assert works
+    if block < 16 or block & (block - 1):  # the kernel takes powers of two from 16 only
+        assert not works and not block_size_ok(block)
 
 
 @pytest.mark.parametrize("value,needle", [(str(10**12), "too large"), (str(2**31), "too large"),

@@ -117,9 +117,10 @@ def test_staged_export_and_chained_run(staged, name, how, target, quant):
                 assert any(found), (k, i)
             else:
                 assert not any(found), (k, i)
-        # quantized, the last stage holds the head only as MatMulNBits blocks; tied: one tensor
-        assert any(f in data for f in embed) == (k == 0 or (tied and not quant and k == n - 1)), k
-        assert any(f in data for f in head) == ((k == n - 1 and not quant) or (tied and k == 0)), k
+        # quantized, the first stage holds the embedding and the last the head only as int blocks
+        # (GatherBlockQuantized, MatMulNBits); float and tied: one tensor
+        assert any(f in data for f in embed) == (not quant and (k == 0 or (tied and k == n - 1))), k
+        assert any(f in data for f in head) == (not quant and (k == n - 1 or (tied and k == 0))), k
         assert st.tied_head == (tied and k == n - 1)
         owned = {layer for s in st.states for layer in s.layers}
         assert owned and owned <= set(range(*st.layers))

@@ -133,7 +133,10 @@ def name_head_weight(ir_model, model) -> None:
         if tensor is None or tuple(tensor.shape) != want or name.startswith(("model.", "lm_head.")):
             continue
         arr = tensor.numpy()
-        if arr.dtype.itemsize == head.element_size() and np.array_equal(arr.T, head.detach().numpy().view(arr.dtype)):
+        if arr.dtype.itemsize != head.element_size():
+            continue
+        raw = head.detach().contiguous().view(torch.uint8).numpy()  # bytes: bf16 has no numpy type
+        if np.array_equal(np.ascontiguousarray(arr.T).view(np.uint8).reshape(raw.shape), raw):
             graph.initializers.pop(name)
             value.name = "lm_head.weight.T"
             graph.register_initializer(value)
