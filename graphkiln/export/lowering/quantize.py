@@ -1,4 +1,5 @@
-"""Weight-only quantization of the Linear layers for onnxruntime: ``com.microsoft.MatMulNBits``.
+"""Weight-only quantization for onnxruntime: Linear layers to ``com.microsoft.MatMulNBits``, the
+embedding to ``com.microsoft.GatherBlockQuantized``.
 
 On CPU, decoding one token reads every weight once, so decode speed is bound by memory
 bandwidth and by the bytes of weights per token. This pass stores the Linear weights
@@ -14,27 +15,26 @@ What the exporter emits, and what is rewritten:
 * ``MatMul(A, Transpose(W))`` with ``W`` a 2-D float initializer ``[N, K]`` and the Transpose a
   plain 2-D one: a tied head. The exporter cannot fold that Transpose into a ``[K, N]`` copy
   because the embedding ``Gather`` reads the same initializer, so the head is quantized from
-  ``W`` itself; the float ``W`` stays for the Gather (of which decoding reads one row per
-  token), and the Transpose goes when nothing else reads it. As onnxruntime-genai's builder
+  ``W`` itself, and the Transpose goes when nothing else reads it. As onnxruntime-genai's builder
   does for tied models; and it is what a pipeline stage does, whose own copy of the head is a
-  plain ``[K, N]`` initializer, so staged and single-graph int4 artifacts compute the same.
+  plain ``[K, N]`` initializer.
 * ``Gemm(A, B[, C])`` (what the exporter emits for a 2-D ``A``) with ``transA=0``, ``alpha=1``,
   ``beta=1``, ``B`` a 2-D initializer and ``C`` absent or a 1-D ``[N]`` initializer -> the same.
-* Not rewritten: the embedding ``Gather``; MoE expert weights (inputs of ``graphkiln.MoE`` /
-  ``com.microsoft.MoE``, not MatMuls); MoE router layers (MatMul/Gemm whose output feeds the
-  router input of a ``graphkiln.MoE`` node, through Cast/Reshape/Identity): they are tiny and
-  a quantized router can pick other experts. So run this pass before the MoE lowering.
+* The embedding ``Gather`` (axis 0 of a float 2-D table) -> ``GatherBlockQuantized`` over
+  MatMulNBits-layout tensors: a tied table's are the head's own (stored once), an untied one's its
+  own (``_gather_block_quantized``).
+* Not rewritten: MoE expert weights (inputs of ``graphkiln.MoE`` / ``com.microsoft.MoE``, not
+  MatMuls); MoE router layers (MatMul/Gemm whose output feeds the router input of a
+  ``graphkiln.MoE`` node, through Cast/Reshape/Identity): they are tiny and a quantized router can
+  pick other experts. So run this pass before the MoE lowering.
 
-Quantization: round-to-nearest (RTN) per block of ``block_size`` weights along K, symmetric
-(scale = max|w| / 2^(bits-1), no zero points: the kernel's implicit midpoint; the default,
-as onnxruntime-genai's builder does, ~5-9% faster int4 decode than asymmetric here) or
-asymmetric (scale = (max - min) / (2^bits - 1), uint zero point), computed by onnxruntime's own C++
-routines (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``, the ones its
-``MatMulNBitsQuantizer`` uses), so the layout is exactly what the kernel reads:
-``B [N, ceil(K / block), block * bits / 8]`` uint8, ``scales [N, ceil(K / block)]`` in the
-weight's float type, and when asymmetric ``zero_points [N, ceil(ceil(K / block) * bits / 8)]``
-packed uint8.
-K need not be a multiple of the block size (the last block is zero-padded).
+Blocks of ``block_size`` weights along K come from ``export.block_quant`` (round to nearest, a
+scale search, or the search weighted by calibration statistics), or are the checkpoint's own
+(``provided``: a GGUF's or GPTQ/AWQ checkpoint's), and are packed in the kernel's layout
+(``pack_blocks``): ``B [N, ceil(K / block), block * bits / 8]`` uint8, ``scales [N, ceil(K /
+block)]`` in the weight's float type, and, unless every zero point is the kernel's implicit
+midpoint (symmetric blocks, its faster path), ``zero_points [N, ceil(ceil(K / block) * bits / 8)]``
+packed uint8. K need not be a multiple of the block size (the last block is zero-padded).
 
 ``accuracy_level=4`` lets the CPU kernel quantize the activations to int8 per block and use
 integer dot products. It is the only fast CPU path: measured on onnxruntime 1.32 (AVX2,
@@ -80,10 +80,10 @@ class QuantStats:
                 f"{self.quant_bytes / 1e6:.1f} MB")
 
 
-# Block sizes onnxruntime 1.32's CPU MatMulNBits path takes end to end, measured with one-node
-# graphs (int4 and int8, fp32 and fp16, symmetric and asymmetric, accuracy_level 0 and 4): the
-# kernel refuses anything but a power of two >= 16 at session creation, and the MLAS quantizer
-# (quantize_matmul_4bits/8bits) refuses blocks above 256.
+# Block sizes offered: onnxruntime 1.32's CPU MatMulNBits kernel refuses anything but a power of two
+# >= 16 at session creation (measured with one-node graphs: int4 and int8, fp32 and fp16, symmetric
+# and asymmetric, accuracy_level 0 and 4); 512 also runs but is not offered (quality falls fast with
+# the block: docs/quantization.md).
 MATMUL_NBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
