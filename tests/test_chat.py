@@ -188,8 +188,19 @@ def _pieces(engine, ids, config) -> list[str]:
     return [e.text for e in engine.stream(ids, config) if e.text]
 
 
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT at Python's default handler, as in a `graphkiln chat` started from a terminal (and
+    inherited by the child the pty test starts: an ignored signal stays ignored across exec). A
+    full test run's worker has been seen holding SIGINT ignored by the time these tests ran, which
+    made Ctrl-C a no-op here; which earlier test leaves it so is not known yet."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("at", [1, 3])
-def test_ctrl_c_while_writing_a_reply_cancels_it_and_frees_the_engine(engine, template, at):
+def test_ctrl_c_while_writing_a_reply_cancels_it_and_frees_the_engine(engine, template, at, terminal_sigint):
     """Ctrl-C reaching the loop while it prints a reply (where a terminal's Ctrl-C lands): the reply
     ends there, the stream is closed (the engine takes the next call at once: an open stream would
     hold it, BUSY) and the interruption is forgotten (a later error stays that error)."""
@@ -251,7 +262,8 @@ def _main_thread_syscall(pid: int) -> int | None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _WRITE_SYSCALL is None,
                     reason="reads the child's system call from Linux's /proc/PID/syscall (x86_64, aarch64)")
-def test_ctrl_c_on_a_terminal_cancels_the_reply_and_keeps_it_in_the_conversation(artifact, engine, template):
+def test_ctrl_c_on_a_terminal_cancels_the_reply_and_keeps_it_in_the_conversation(artifact, engine, template,
+                                                                                terminal_sigint):
     """The real thing on a pseudo-terminal, made deterministic by the terminal's flow control:
     Ctrl-S (XOFF) stops the terminal's output before the message is typed, so the child blocks in
     its first write of the reply; once /proc shows it there, Ctrl-C is typed. The line discipline
