@@ -7,6 +7,7 @@ import posixpath
 from functools import cache
 from pathlib import Path
 
+from graphkiln.batched_int8 import DERIVED_LOCATION
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import MANIFEST_NAME, Manifest, artifact_file, open_artifact_file, plain_relative_path
 
@@ -51,10 +52,13 @@ def check_artifact(root: Path, manifest: Manifest, hash_files: bool = True) -> N
         artifact_file(root, rel)
     if hash_files:
         verify_checksums(root, manifest)
-    for g in manifest.graphs:
-        for rel, location in graph_external_data(root, g.file).items():
+    graph_files = [(g.file, None) for g in manifest.graphs] + [(b.file, DERIVED_LOCATION) for b in manifest.batched]
+    for file, derived in graph_files:  # a batched graph's int8 weights are computed at load, from no file
+        for rel, location in graph_external_data(root, file).items():
+            if location == derived:
+                continue
             if rel not in manifest.files:
-                raise GraphkilnError(f"graph {g.file} reads external data from {location!r}, which the manifest does not "
+                raise GraphkilnError(f"graph {file} reads external data from {location!r}, which the manifest does not "
                                      "list in files (no checksum covers it): re-export the artifact")
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -420,6 +421,69 @@ class EngineSpec:
     timing_cache: RelPath | None = None
 
 
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor's bytes inside an artifact file: ``shape`` elements of ``dtype`` from ``offset``."""
+
+    file: RelPath
+    offset: Count
+    shape: Annotated[tuple[PosInt, ...], Field(min_length=1, max_length=4)]
+    dtype: Literal["uint8", "float32", "float16"]
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class DerivedWeight:
+    """One MatMulNBits weight of the block graph, as the batched graph takes it: initializers
+    ``weight`` (int8 [K, N]) and ``scales`` (float32 [N]), computed at load from the block
+    graph's ``source`` (packed B [N, k_blocks, block * bits / 8]), ``source_scales``,
+    ``source_zero_points`` (none: the midpoint) and the smoothing factors ``smooth`` [K]
+    (``graphkiln.batched_int8``)."""
+
+    weight: Name
+    scales: Name
+    source: TensorRef
+    source_scales: TensorRef
+    source_zero_points: TensorRef | None
+    smooth: TensorRef
+    bits: Literal[4, 8]
+    block_size: PosInt
+
+    @model_validator(mode="after")
+    def _shapes_agree(self) -> "DerivedWeight":
+        if len(self.source.shape) != 3 or self.source.dtype != "uint8":
+            raise _FieldError(("source",), "must be a uint8 [N, k_blocks, blob] tensor (MatMulNBits' B)")
+        n, k_blocks, blob = self.source.shape
+        if len(self.smooth.shape) != 1 or self.smooth.dtype != "float32":
+            raise _FieldError(("smooth",), "must be a float32 [K] tensor")
+        k = self.smooth.shape[0]
+        if blob * 8 != self.block_size * self.bits or k_blocks != -(-k // self.block_size):
+            raise _FieldError(("source", "shape"), f"is {list(self.source.shape)}, not MatMulNBits' B for K={k}, "
+                              f"{self.bits} bits, block {self.block_size}")
+        if self.source_scales.dtype == "uint8" or math.prod(self.source_scales.shape) != n * k_blocks:
+            raise _FieldError(("source_scales",), f"must be {n * k_blocks} float scales")
+        zp = self.source_zero_points
+        if zp is not None and (zp.dtype != "uint8" or math.prod(zp.shape) != n * -(-k_blocks * self.bits // 8)):
+            raise _FieldError(("source_zero_points",), "must be MatMulNBits' packed uint8 zero points")
+        return self
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
+class BatchedGraphSpec:
+    """A graph that stands in for graph ``(graph, target)`` in steps of at least ``min_rows`` token
+    rows (``graphkiln.batched_int8``): same inputs, outputs and state pools, its MatMulNBits
+    replaced by int8 per-channel matmuls whose ``weights`` the runtime derives at load. Used
+    only where a deployment turns it on (``Engine.load(batched_int8=True)``)."""
+
+    graph: Name
+    target: Target
+    file: RelPath
+    min_rows: PosInt
+    weights: Annotated[tuple[DerivedWeight, ...], Field(min_length=1)]
+
+
 DEFAULT_MAX_IMAGE_PIXELS = 64 << 20  # images larger than this are refused before they are decoded
 
 
@@ -472,6 +536,7 @@ class Manifest:
     engines: tuple[EngineSpec, ...] = ()
     vision: VisionSpec | None = None
     stages: tuple[StageSpec, ...] = ()  # a pipeline-staged artifact: no "decoder" graph, one per stage
+    batched: tuple[BatchedGraphSpec, ...] = ()  # int8 stand-ins for steps of many rows (graphkiln.batched_int8)
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str, target: str | None = None) -> GraphSpec:
@@ -599,6 +664,17 @@ class Manifest:
                                           f"{[list(x) for x in shapes]} is not min <= opt <= max of one rank")
             if (e.graph, e.target, e.backend) in [(o.graph, o.target, o.backend) for o in self.engines[:i]]:
                 raise _FieldError(("engines", i), f"repeats the {e.backend} engine of graph {e.graph!r}")
+        for i, b in enumerate(self.batched):
+            if (b.graph, b.target) not in keys:
+                raise _FieldError(("batched", i, "graph"), f"{b.graph!r} ({b.target}) is not a graph of this artifact")
+            if b.file not in self.files:
+                raise _FieldError(("batched", i, "file"), f"{b.file!r} is not listed in files (no checksum covers it)")
+            for j, d in enumerate(b.weights):
+                for field_name in ("source", "source_scales", "source_zero_points", "smooth"):
+                    ref = getattr(d, field_name)
+                    if ref is not None and ref.file not in self.files:
+                        raise _FieldError(("batched", i, "weights", j, field_name, "file"),
+                                          f"{ref.file!r} is not listed in files (no checksum covers it)")
         has_vision_graph = "vision" in names
         # the seam is the first graph's: the decoder's, or a staged artifact's first stage's
         first = "stage0" if self.stages else "decoder"

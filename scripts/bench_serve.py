@@ -36,10 +36,10 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-def start_server(art: Path, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(art: Path, threads: int, max_batch: int, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "serve", str(art), "--port", "0", "--threads",
                              str(threads), "--max-batch", str(max_batch), "--model-name", "bench", "--log-level",
-                             "warning"], stderr=subprocess.PIPE, text=True)
+                             "warning", *extra], stderr=subprocess.PIPE, text=True)
     for _ in range(100):
         line = proc.stderr.readline()
         found = re.search(r"(http://[\d.]+:\d+)/v1", line)
@@ -108,6 +108,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--quant", action="append", choices=["int4", "int8"], help="also serve a quantized artifact")
     p.add_argument("--workdir", default=None, help="reuse the checkpoint and artifacts here across runs")
+    p.add_argument("--batched-int8", action="store_true",
+                   help="serve each quantized artifact a second time with --batched-int8")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     levels = args.concurrency or [1, 4, 16]
@@ -118,15 +120,17 @@ def main() -> int:
         ckpt.mkdir(parents=True, exist_ok=True)
         build_checkpoint(ckpt, "llama")
     rows = []
-    for quant in [None, *(args.quant or [])]:
+    runs = [(None, False)] + [(q, b) for q in args.quant or [] for b in ((False, True) if args.batched_int8 else (False,))]
+    for quant, batched in runs:
         # the onnxruntime target (GroupQueryAttention, in-place cache) is what serving runs
         art = work / "llama" / ("artifact-ort" if quant is None else f"artifact-{quant}")
         export(ckpt, art, "onnxruntime", quant)
-        proc, url = start_server(art, args.threads, max(levels))
+        proc, url = start_server(art, args.threads, max(levels), ("--batched-int8",) if batched else ())
         try:
             one_request(url, list(range(3, 3 + args.prompt_len)), 4)  # warm-up
             for c in levels:
-                row = {"weights": quant or "fp32", **level(url, c, args.requests, args.prompt_len, args.new_tokens, c)}
+                weights = (quant or "fp32") + (" --batched-int8" if batched else "")
+                row = {"weights": weights, **level(url, c, args.requests, args.prompt_len, args.new_tokens, c)}
                 rows.append(row)
                 print(f"{row['weights']} c={c}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50']:.2f}s "
                       f"p99 {row['ttft_p99']:.2f}s, ITL {row['itl_ms']:.0f} ms", flush=True)

@@ -276,6 +276,22 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
     return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
 
 
+def _batched_graphs(out_dir: Path, graphs, opts: ExportOptions, quant_inputs) -> tuple:
+    """A quantized fp32 artifact's batched-step graph (``lowering.batched_int8``) beside its
+    onnxruntime decoder graph; () for the others."""
+    if not opts.quant or opts.dtype != "fp32":
+        return ()
+    from graphkiln.export.lowering.batched_int8 import write_batched_graph
+
+    t0 = time.perf_counter()
+    decoder = next((g for g in graphs if g.name == "decoder" and g.target == "onnxruntime"), None)
+    spec = write_batched_graph(out_dir, decoder, quant_inputs.importance if quant_inputs else None) if decoder else None
+    if spec is None:
+        return ()
+    _say(opts, f"      batched-step int8 graph: {len(spec.weights)} weights in {time.perf_counter() - t0:.1f}s")
+    return (spec,)
+
+
 def _quant_inputs(src: Path, decoder, prequantized: dict, opts: ExportOptions):
     """The quantizer's inputs (``QuantInputs``) and the options as they will be recorded: the
     calibration pass runs here, on the loaded float decoder, when the method is ``calibrated``; a
@@ -436,7 +452,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         num_params = sum(p.numel() for n, p in decoder.named_parameters() if not n.endswith("expert_bias"))
         _say(opts, f"[2/4] tracing decoder to ONNX (opset {opts.opset}, {num_params / 1e6:.1f}M parameters)")
         t1 = time.perf_counter()
-        staged = None
+        staged, batched = None, ()
         if stage_ranges is not None:  # one graph per slice of layers (export.stages)
             from graphkiln.export.stages import export_stages
 
@@ -462,6 +478,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             _say(opts, f"      traced in {time.perf_counter() - t1:.1f}s{how}")
             graphs, used_ops = export_graphs(tmp, traced.graph, traced.custom_ops, targets, opts,
                                              quant_inputs=quant_inputs)
+            batched = _batched_graphs(tmp, graphs, opts, quant_inputs)
         vision = None
         if vcfg is not None:
             graphs, vision = export_vision_graph(src, family, vcfg, cfg, state_dtype, tmp, graphs, opts)
@@ -497,6 +514,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             custom_ops=tuple(CustomOpRef(o.domain, o.name, o.version, o.plugin_namespace, o.plugin_version) for o in used_ops),
             vision=vision,
             stages=staged.stage_specs(tuple(states)) if staged is not None else (),
+            batched=batched,
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")

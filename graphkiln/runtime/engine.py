@@ -57,7 +57,7 @@ class Engine:
                  manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
                  target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES, distributed=None,
                  prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
-                 prefix_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False) -> None:
         """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
@@ -76,7 +76,7 @@ class Engine:
                 )
         self.backend, self.device = backend, device
         self.decoder, self.pool = open_backend(artifact_dir, manifest, backend, device, threads, target, distributed,
-                                               manifest_digest)
+                                               manifest_digest, batched_int8)
         self.state_dtype = numpy_dtype(manifest.states[0].dtype)
         # an engine built for fewer tokens than the states allow caps requests at its capacity
         self.max_seq_len = min([s.max_seq_len for s in manifest.states] + [getattr(self.pool, "max_capacity", 10**18)])
@@ -103,7 +103,7 @@ class Engine:
              expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
              target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
              distributed=None, prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
-             prefix_block_size: int = DEFAULT_BLOCK_SIZE) -> "Engine":
+             prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -116,7 +116,10 @@ class Engine:
         ``prefix_cache`` keeps the KV rows (and conv state snapshots) of prompts and generated text
         in blocks of ``prefix_block_size`` tokens, at most ``prefix_cache_bytes`` of them (default:
         2 GiB, at most a quarter of the memory available), so a request whose prompt starts with a
-        cached prefix prefills only the rest (``runtime.request.prefix``; CPU pools only for now)."""
+        cached prefix prefills only the rest (``runtime.request.prefix``; CPU pools only for now).
+        ``batched_int8`` runs steps of many token rows (batched decode, prefill) through a
+        quantized artifact's batched-step graph: int8 weights derived from its blocks at load, faster
+        with many rows, with slightly different numerics (``graphkiln.batched_int8``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         if threads is not None and distributed is None:  # before the files are hashed (every session checks
@@ -136,7 +139,7 @@ class Engine:
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
-                   prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size)
+                   prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8)
 
     # -- inputs ---------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class ServeConfig:
     log_level: str = "info"
     prefix_cache: bool = True  # --no-prefix-cache turns it off
     prefix_cache_bytes: int | None = None  # None: the runtime's default budget
+    batched_int8: bool = False  # --batched-int8: quantized artifacts' batched-step graph (graphkiln.batched_int8)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -125,7 +126,7 @@ def serve(cfg: ServeConfig) -> int:
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
-                             prefix_cache_bytes=cfg.prefix_cache_bytes)
+                             prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
         sock.close()

@@ -54,6 +54,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphkiln.batched_int8 import dequantize
 from graphkiln.export.block_quant import quantize_blocks
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope, _drop_unused_initializers
@@ -393,14 +394,4 @@ def dequantize_reference(packed: np.ndarray, scales: np.ndarray, zero_points: np
                          bits: int) -> np.ndarray:
     """The float [K, N] weight a MatMulNBits (B, scales, zero_points) represents (for tests);
     without zero points, the kernel's default: the midpoint 2^(bits-1)."""
-    n, k_blocks, blob = packed.shape
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    shifts = np.arange(per_byte, dtype=np.uint8) * bits
-    q = ((packed[..., None] >> shifts) & mask).reshape(n, k_blocks, blob * per_byte).astype(np.float32)
-    if zero_points is None:
-        zp = np.full((n, k_blocks), float(1 << (bits - 1)), np.float32)
-    else:
-        zp = ((zero_points[..., None] >> shifts) & mask).reshape(n, -1)[:, :k_blocks].astype(np.float32)
-    w = (q - zp[..., None]) * scales[..., None].astype(np.float32)
-    return w.reshape(n, -1)[:, :k].T
+    return dequantize(packed, scales, zero_points, k, bits)

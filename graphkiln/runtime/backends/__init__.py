@@ -36,11 +36,16 @@ def check_choice(backend: object, device: object, target: object) -> None:
 
 
 def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: str, threads: int | None,
-                 target: str | None = None, distributed=None, manifest_digest: str | None = None):
+                 target: str | None = None, distributed=None, manifest_digest: str | None = None,
+                 batched_int8: bool = False):
     """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
     lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``).
     ``distributed`` ("ray" or a ``runtime.backends.distributed.RayOptions``): a staged artifact's stages
-    each in a Ray actor (``runtime.backends.distributed``) instead of chained in this process."""
+    each in a Ray actor (``runtime.backends.distributed``) instead of chained in this process.
+    ``batched_int8``: steps of many token rows run the artifact's batched-step graph
+    (``graphkiln.batched_int8``; onnxruntime on the CPU, quantized single-graph artifacts)."""
+    if batched_int8:
+        check_batched_int8(manifest, backend, device, distributed)
     if distributed is not None:
         from graphkiln.runtime.backends.distributed import check_distributed, import_ray, open_ray
 
@@ -63,7 +68,12 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
         from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
         from graphkiln.runtime.backends.state import StatePool
 
-        return DecoderGraph(artifact_dir, spec, threads), StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype))
+        batched = next((b for b in manifest.batched if (b.graph, b.target) == (spec.name, spec.target)), None)
+        if batched_int8 and batched is None:
+            raise GraphkilnError(f"the artifact has no batched-step graph for its {spec.target} decoder graph: "
+                                 "load it without batched_int8")
+        return (DecoderGraph(artifact_dir, spec, threads, batched=batched if batched_int8 else None),
+                StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype)))
     if backend == "onnxruntime":
         from graphkiln.runtime.backends.ort_cuda import open_onnxruntime_cuda
 
@@ -71,3 +81,17 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
     from graphkiln.runtime.backends.trt_runner import open_tensorrt
 
     return open_tensorrt(artifact_dir, manifest, spec)
+
+
+def check_batched_int8(manifest: Manifest, backend: str, device: str, distributed) -> None:
+    """One-line refusals for turning on the batched int8 steps where they do not exist."""
+    if not manifest.batched:
+        why = ("it is not quantized" if manifest.model.quant is None else
+               "it is a pipeline-staged artifact" if manifest.stages else
+               f"its activations are {manifest.model.dtype}" if manifest.model.dtype != "fp32" else
+               "it was exported before graphkiln wrote one")
+        raise GraphkilnError(f"--batched-int8 needs the batched-step graph that int4/int8 fp32 exports carry, and this "
+                             f"artifact has none ({why}): drop --batched-int8, or re-export with --quant int4")
+    if (backend, device) != ("onnxruntime", "cpu") or distributed is not None:
+        raise GraphkilnError("--batched-int8 runs on onnxruntime on the CPU only: drop it, or load without "
+                             "backend/device/distributed")

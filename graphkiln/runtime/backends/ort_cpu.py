@@ -25,7 +25,8 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
-from graphkiln.manifest import GraphSpec, is_pool_output
+from graphkiln.batched_int8 import derived_weights
+from graphkiln.manifest import BatchedGraphSpec, GraphSpec, is_pool_output
 from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.backends.state import StatePool
 
@@ -51,15 +52,22 @@ _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(bool)": "bool"}
 
 
-def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None, spinning: bool = True):
+def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None, spinning: bool = True,
+                file: str | None = None, initializers: dict[str, np.ndarray] | None = None):
     """An onnxruntime CPU session over graph ``spec`` (``threads`` intra-op threads, default every
     core); a graph onnxruntime cannot load is one GraphkilnError line, and its inputs and outputs
     are checked against the manifest (``check_io``). ``spinning`` False: the intra-op threads
     sleep once a run ends instead of spinning (sessions that run one after another, such as
-    pipeline stages, would otherwise take each other's cores)."""
+    pipeline stages, would otherwise take each other's cores). ``file``: another graph file with
+    the same inputs and outputs (a batched-step graph); ``initializers``: arrays onnxruntime
+    takes for the graph's external initializers of those names, without copying (the caller
+    keeps them alive as long as the session)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if initializers:
+        opts.add_external_initializers(list(initializers), [ort.OrtValue.ortvalue_from_numpy(a)
+                                                            for a in initializers.values()])
     opts.intra_op_num_threads = check_threads(threads)
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -67,13 +75,13 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None,
     if not spinning:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
-        session = ort.InferenceSession(str(artifact_dir / spec.file), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(artifact_dir / (file or spec.file)), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:
         if any(t.dtype == "bfloat16" for t in spec.inputs + spec.outputs):
             raise GraphkilnError("bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
                                  "re-export with --dtype fp16 or fp32 for CPU") from None
         raise GraphkilnError(
-            f"onnxruntime cannot load {spec.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
+            f"onnxruntime cannot load {file or spec.file} ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
             "re-export the artifact (for CPU use --dtype fp32 or fp16)"
         ) from None
     check_io(session, spec)
@@ -110,11 +118,15 @@ class DecoderGraph:
     its result the ``logits`` or its own ``hidden_states``). Reads the cache prefix ``[:n]`` of
     its pool and writes new rows into it; holds no state between calls but kept IOBindings."""
 
-    def __init__(self, artifact_dir: Path, spec: GraphSpec, threads: int | None = None, spinning: bool = True) -> None:
+    def __init__(self, artifact_dir: Path, spec: GraphSpec, threads: int | None = None, spinning: bool = True,
+                 batched: BatchedGraphSpec | None = None) -> None:
         """``spinning`` False for graphs run one after another in this process (pipeline stages):
         each has its own intra-op pool, and one spinning through the next stage's run takes that
         stage's cores (measured on this shared 2-core machine: a 2-stage 28M-parameter Llama
-        decoded at 0.55-0.7x the single graph with spinning threads, 0.92-0.97x without)."""
+        decoded at 0.55-0.7x the single graph with spinning threads, 0.92-0.97x without).
+        ``batched``: a batched-step graph for ``spec`` (``graphkiln.batched_int8``), run instead of
+        it for steps of at least ``batched.min_rows`` token rows; its int8 weights are derived
+        here and live as long as this object."""
         roles = {t.role for t in spec.inputs}
         first = "input_ids" if "input_ids" in roles else "hidden_states"
         result = "logits" if any(t.role == "logits" for t in spec.outputs) else "hidden_states"
@@ -125,6 +137,11 @@ class DecoderGraph:
         self.first_role = first
         self.spec = spec
         self.session = cpu_session(artifact_dir, spec, threads, spinning)
+        self.batched_session, self.batched_min_rows = None, 0
+        if batched is not None:
+            self._derived = derived_weights(artifact_dir, batched)  # onnxruntime reads these arrays, not copies
+            self.batched_session = cpu_session(artifact_dir, spec, threads, spinning, batched.file, self._derived)
+            self.batched_min_rows = batched.min_rows
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}
         self.layout_roles = needed_roles(self.names)
         seam = next((t for t in spec.inputs if t.role == "vision_embeddings"), None)
@@ -196,8 +213,9 @@ class DecoderGraph:
             given[role] = (extra or {}).get(role)
             if given[role] is None:
                 given[role] = pack((role,), [None] * n, position_ids[:, 0], seq)[role]
+        session = self._session_for(n * seq)
         if self.present or self.pool_outputs:
-            outs = self._run_bound(pool, n, first_slot, tokens_only, given,
+            outs = self._run_bound(session, pool, n, first_slot, tokens_only, given,
                                    {"batch": n, "seq": seq, "n_logits": logits_index.shape[1]})
         else:
             feeds = {name: given[role] for role, name in self.names.items()}
@@ -208,7 +226,7 @@ class DecoderGraph:
             if not with_hidden:
                 skip.add(self._hidden_at)
             names = [name for i, name in enumerate(self.outputs) if i not in skip]
-            fetched = iter(self.session.run(names, feeds))
+            fetched = iter(session.run(names, feeds))
             outs = [None if i in skip else next(fetched) for i in range(len(self.outputs))]
         new: dict[int, dict[str, np.ndarray]] = {}
         for i, role, layer in self._state_rows:
@@ -221,7 +239,14 @@ class DecoderGraph:
         result = outs[self._next_token_at if tokens_only else self._logits_at]
         return (result, outs[self._hidden_at]) if with_hidden else result
 
-    def _run_bound(self, pool: StatePool, n: int, first: int, tokens_only: bool, given: dict[str, np.ndarray],
+    def _session_for(self, rows: int):
+        """The batched-step graph's session for a step of ``rows`` token rows when it has one and
+        the step is big enough, else the graph's own."""
+        if self.batched_session is not None and rows >= self.batched_min_rows:
+            return self.batched_session
+        return self.session
+
+    def _run_bound(self, session, pool: StatePool, n: int, first: int, tokens_only: bool, given: dict[str, np.ndarray],
                    dims: dict[str, int]) -> list:
         """Run an in-place graph: each KV view is bound as both past_* input and present_* output
         (and each in-place conv pool as both conv_state input and new_conv_state output).
@@ -232,7 +257,7 @@ class DecoderGraph:
         with None for the present_* and in-place new_conv_state ones (they are the pool) and for
         the logits (``tokens_only``: not bound, so onnxruntime keeps them) or the next_token.
         """
-        bound = self._binding(pool, n, first, tokens_only)
+        bound = self._binding(session, pool, n, first, tokens_only)
         binding = bound.binding
         for role, name in self.names.items():
             bound.feed(name, given[role])
@@ -249,10 +274,10 @@ class DecoderGraph:
                 buf = bound.buffers[name] = np.empty(shape, dtype)
                 binding.bind_output(name, "cpu", 0, dtype, list(shape), buf.ctypes.data)
             outs[i] = buf
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return outs
 
-    def _binding(self, pool: StatePool, n: int, first: int, tokens_only: bool) -> "_Bound":
+    def _binding(self, session, pool: StatePool, n: int, first: int, tokens_only: bool) -> "_Bound":
         """The IOBinding for slots first..first+n-1 over the pool's current buffers, built when
         none is kept for them (the last few are kept: a scheduler's decode and prefill ranges).
 
@@ -261,7 +286,8 @@ class DecoderGraph:
         """
         import onnxruntime as ort
 
-        key = (n, first, id(pool), pool.generation, tokens_only)  # another pool (generations start alike) is another binding
+        # another pool (generations start alike) is another binding; so is the other session's
+        key = (n, first, id(pool), pool.generation, tokens_only, session is self.session)
         bound = self._bindings.pop(key, None)
         if bound is not None:
             self._bindings[key] = bound  # most recently used last
@@ -270,7 +296,7 @@ class DecoderGraph:
             self._bindings.clear()  # bindings over replaced buffers are never valid again
         while len(self._bindings) >= _KEPT_BINDINGS:
             del self._bindings[next(iter(self._bindings))]
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         keys, values = pool.kv_views(n, first)
         kv_values = {}
         for role, layer, name in self.states:
@@ -290,7 +316,7 @@ class DecoderGraph:
         return bound
 
 
-_KEPT_BINDINGS = 4
+_KEPT_BINDINGS = 6  # decode and prefill ranges, on either session
 
 
 class _Bound:
