@@ -67,15 +67,19 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a 100-layer model's manifest is ~100 KB; refuse to read a huge one into memory
 
 # What the runtime understands; anything else in a manifest is refused (see the validators below).
-STATE_KINDS = ("kv", "conv")
+STATE_KINDS = ("kv", "conv", "recurrent")
 KV_ROLES = ("past_key", "past_value", "new_key", "new_value", "present_key", "present_value")
 CONV_ROLES = ("conv_state", "new_conv_state")
+# a linear-recurrent layer's matrix state (gated delta net, Mamba-2): a pool [slots, heads, rows, cols]
+RECURRENT_ROLES = ("recurrent_state", "new_recurrent_state")
+# per-slot states (conv, recurrent): the input role -> the output role that updates it
+SLOT_STATE_ROLES = {"conv_state": "new_conv_state", "recurrent_state": "new_recurrent_state"}
 INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
-               "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "pixel_values",
+               "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
                "image_groups", "image_slots")
 OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
-                "present_key", "present_value", "image_embeddings")
+                "new_recurrent_state", "present_key", "present_value", "image_embeddings")
 # ``last_hidden_state`` (export --return-hidden-states): the last layer's hidden states AFTER the final
 # norm (transformers' ``last_hidden_state`` == ``hidden_states[-1]``), [batch, n_logits, hidden] in the
 # model dtype, at the logits_index positions; ``hidden_states`` is a pipeline stage's pre-norm residual
@@ -84,10 +88,10 @@ OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "n
 # preprocessed pixels (graphkiln.imaging) -> one embedding row per placeholder token, in decoder hidden size
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
-                 "slot_idx", "past_key", "past_value", "conv_state", "total_sequence_length", "rope_position_ids",
-                 "lookahead"),
-                ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state", "present_key",
-                 "present_value")),
+                 "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length",
+                 "rope_position_ids", "lookahead"),
+                ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
+                 "new_recurrent_state", "present_key", "present_value")),
     # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.backends.vision_groups)
     "vision": (("pixel_values", "image_grid_thw", "patch_positions", "window_groups", "window_slots", "image_groups",
                 "image_slots"), ("image_embeddings",)),
@@ -194,7 +198,7 @@ class TensorSpec:
 
     @model_validator(mode="after")
     def _layer_iff_per_layer_role(self) -> "TensorSpec":
-        per_layer = self.role in KV_ROLES + CONV_ROLES
+        per_layer = self.role in KV_ROLES + CONV_ROLES + RECURRENT_ROLES
         if per_layer and self.layer is None:
             raise _FieldError(("layer",), f"is missing: a {self.role} tensor belongs to a layer")
         if not per_layer and self.layer is not None:
@@ -203,12 +207,19 @@ class TensorSpec:
             raise _FieldError(("shape",), f"of a {self.role} tensor must have 4 dimensions (got {len(self.shape)})")
         if self.role in CONV_ROLES and len(self.shape) != 3:
             raise _FieldError(("shape",), f"of a {self.role} tensor must have 3 dimensions (got {len(self.shape)})")
+        if self.role in RECURRENT_ROLES and len(self.shape) != 4:
+            raise _FieldError(("shape",), f"of a {self.role} tensor must have 4 dimensions (got {len(self.shape)})")
         return self
 
 
 def is_pool_output(t: TensorSpec) -> bool:
-    """A conv state output that is the whole pool (written in place), not the batch's rows."""
-    return t.role == "new_conv_state" and len(t.shape) == 3 and t.shape[0] == "slots"
+    """A per-slot state output (conv, recurrent) that is the whole pool (written in place), not the batch's rows."""
+    return t.role in SLOT_STATE_ROLES.values() and bool(t.shape) and t.shape[0] == "slots"
+
+
+def state_kind(role: str) -> str:
+    """The ``StateSpec.kind`` a per-layer tensor role belongs to."""
+    return "kv" if role in KV_ROLES else "conv" if role in CONV_ROLES else "recurrent"
 
 
 TARGETS = ("portable", "onnxruntime", "tensorrt")
@@ -268,7 +279,8 @@ class GraphSpec:
         inputs = {(t.role, t.layer) for t in self.inputs}
         for i, t in enumerate(self.outputs):
             # a layer's new rows go into (or are written in place over) the state the graph read
-            needs = {"new_conv_state": "conv_state"}.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
+            slot_inputs = {out: inp for inp, out in SLOT_STATE_ROLES.items()}
+            needs = slot_inputs.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
             if t.layer is not None and (needs, t.layer) not in inputs:
                 raise _FieldError(("outputs", i), f"{t.name!r} has no matching {needs} input for layer {t.layer}")
             # the runtime allocates the other outputs by their shape; these it binds to a state buffer
@@ -288,19 +300,25 @@ class StateSpec:
     ``kv``: one cache per attention flavor (full, or each sliding window), fields
     num_kv_heads/head_dim/max_seq_len/sliding_window. ``conv``: per conv layer a pool
     ``[slots, channels, width]`` (width = kernel - 1, the last inputs, oldest first) that the
-    graph reads at ``slot_idx``. How a graph updates the state is the graph's (``state_update``).
+    graph reads at ``slot_idx``. ``recurrent``: per linear-recurrent layer (gated delta net,
+    Mamba-2) a pool ``[slots, *dims]`` = ``[slots, heads, rows, cols]``, the layer's matrix state
+    after its last token, read at ``slot_idx`` like conv state (such a layer also holds a conv
+    state: the one layer that may be in two states, one of each kind). How a graph updates the
+    state is the graph's (``state_update``).
     """
 
-    kind: Literal[STATE_KINDS]  # type: ignore[valid-type]  # "kv" | "conv"
+    kind: Literal[STATE_KINDS]  # type: ignore[valid-type]  # "kv" | "conv" | "recurrent"
     layers: Annotated[tuple[Count, ...], Field(min_length=1)]
     num_kv_heads: Count
     head_dim: Count
     max_seq_len: Annotated[int, Field(ge=2)]
     dtype: StateDtype
-    layout: Literal["batch,kv_heads,seq,head_dim", "slots,channels,width"] = "batch,kv_heads,seq,head_dim"
+    layout: Literal["batch,kv_heads,seq,head_dim", "slots,channels,width",
+                    "slots,heads,rows,cols"] = "batch,kv_heads,seq,head_dim"
     sliding_window: PosInt | None = None
     channels: PosInt | None = None
     width: PosInt | None = None
+    dims: tuple[PosInt, PosInt, PosInt] | None = None  # a recurrent state's (heads, rows, cols)
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "StateSpec":
@@ -309,9 +327,12 @@ class StateSpec:
         if self.kind == "kv":
             required = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
             layout = "batch,kv_heads,seq,head_dim"
-        else:
+        elif self.kind == "conv":
             required = {"channels": self.channels, "width": self.width}
             layout = "slots,channels,width"
+        else:
+            required = {"dims": self.dims}
+            layout = "slots,heads,rows,cols"
         for name, value in required.items():
             if not value:
                 raise _FieldError((name,), f"must be > 0 for a {self.kind} state (got {value})")
@@ -319,8 +340,12 @@ class StateSpec:
             raise _FieldError(("layout",), f"of a {self.kind} state must be {layout!r} (got {self.layout!r})")
         return self
 
+    def slot_shape(self) -> tuple[int, ...]:
+        """One slot's rows of a per-slot state (conv, recurrent)."""
+        return (self.channels, self.width) if self.kind == "conv" else tuple(self.dims)
 
-UPDATES = {"kv": ("scatter_rows", "in_place"), "conv": ("slot_rows", "in_place")}
+
+UPDATES = {"kv": ("scatter_rows", "in_place"), "conv": ("slot_rows", "in_place"), "recurrent": ("slot_rows", "in_place")}
 
 
 def state_update(graph: GraphSpec, state: StateSpec) -> str | None:
@@ -328,18 +353,18 @@ def state_update(graph: GraphSpec, state: StateSpec) -> str | None:
     ``in_place`` when it returns the whole cache/pool (``present_*``, a pool-shaped
     ``new_conv_state``), else ``scatter_rows`` (kv) / ``slot_rows`` (conv); None when the graph
     returns nothing for the state's layers. The manifest validator makes it one mode per state."""
-    modes = {_output_mode(t) for t in graph.outputs if t.layer in state.layers}
+    modes = {_output_mode(t) for t in graph.outputs if t.layer in state.layers and state_kind(t.role) == state.kind}
     return next(iter(modes)) if len(modes) == 1 else None
 
 
 def _first_output(graph: GraphSpec, state: StateSpec) -> int:
-    return next(i for i, t in enumerate(graph.outputs) if t.layer in state.layers)
+    return next(i for i, t in enumerate(graph.outputs) if t.layer in state.layers and state_kind(t.role) == state.kind)
 
 
 def _output_mode(t: TensorSpec) -> str:
     if t.role in ("present_key", "present_value") or is_pool_output(t):
         return "in_place"
-    return "slot_rows" if t.role == "new_conv_state" else "scatter_rows"
+    return "slot_rows" if t.role in SLOT_STATE_ROLES.values() else "scatter_rows"
 
 
 @with_config(_STRICT)
@@ -601,14 +626,15 @@ class Manifest:
                 raise _FieldError(("tokenizer_files", i), f"{f!r} is not listed in files (no checksum covers it)")
             if f in self.tokenizer_files[:i]:
                 raise _FieldError(("tokenizer_files", i), f"{f!r} appears twice")
-        owner: dict[int, StateSpec] = {}
+        owner: dict[tuple[int, str], StateSpec] = {}  # (layer, kind) -> its state
         for i, s in enumerate(self.states):
             for j, layer in enumerate(s.layers):
                 if layer >= num_layers:
                     raise _FieldError(("states", i, "layers", j), f"is {layer}, not a layer of this {num_layers}-layer model")
-                if layer in owner:
+                kinds = {k for (held, k) in owner if held == layer} | {s.kind}
+                if (layer, s.kind) in owner or (len(kinds) > 1 and kinds != {"conv", "recurrent"}):
                     raise _FieldError(("states", i, "layers", j), f"layer {layer} is in two states")
-                owner[layer] = s
+                owner[layer, s.kind] = s
             if s.dtype != self.states[0].dtype:
                 raise _FieldError(("states", i, "dtype"), f"is {s.dtype}, but states[0] is {self.states[0].dtype} "
                                   "(the runtime keeps all state in one dtype)")
@@ -627,19 +653,20 @@ class Manifest:
                             if g.target == "tensorrt":  # its runners bind every output to a buffer they know
                                 raise _FieldError(where, "last_hidden_state is not supported on a tensorrt-target graph")
                         continue
-                    kind = "kv" if t.role in KV_ROLES else "conv"
-                    s = owner.get(t.layer)
+                    kind = state_kind(t.role)
+                    s = owner.get((t.layer, kind))
                     if s is None or s.kind != kind:
                         raise _FieldError(where + ("layer",), f"{t.layer} has no {kind} state (see states[].layers)")
                     if side == "outputs" and _output_mode(t) != _output_mode(g.outputs[_first_output(g, s)]):
                         first = g.outputs[_first_output(g, s)]
                         raise _FieldError(where, f"{t.name!r} is updated {_output_mode(t)} but {first.name!r} of the "
                                           f"same {kind} state {_output_mode(first)}: a graph updates a state one way")
-                    want = (s.num_kv_heads, s.head_dim) if kind == "kv" else (s.channels, s.width)
-                    got = (t.shape[1], t.shape[3]) if kind == "kv" else (t.shape[1], t.shape[2])
+                    want = (s.num_kv_heads, s.head_dim) if kind == "kv" else s.slot_shape()
+                    got = (t.shape[1], t.shape[3]) if kind == "kv" else tuple(t.shape[1:])
                     if any(isinstance(x, int) and x != y for x, y in zip(got, want)):
+                        fields = {"kv": "num_kv_heads, head_dim", "conv": "channels, width", "recurrent": "dims"}[kind]
                         raise _FieldError(where + ("shape",), f"{list(t.shape)} does not match its {kind} state "
-                                          f"({'num_kv_heads, head_dim' if kind == 'kv' else 'channels, width'} {list(want)})")
+                                          f"({fields} {list(want)})")
         for i, e in enumerate(self.engines):
             if (e.graph, e.target) not in keys:
                 raise _FieldError(("engines", i, "graph"), f"{e.graph!r} ({e.target}) is not a graph of this artifact")
@@ -754,21 +781,22 @@ class Manifest:
             for j, f in enumerate(st.files):
                 if f not in self.files:
                     raise _FieldError(where + ("files", j), f"{f!r} is not listed in files (no checksum covers it)")
-            held: set[int] = set()
+            held: set[tuple[int, str]] = set()
             for j, s in enumerate(st.states):
                 for k, layer in enumerate(s.layers):
-                    owner = next((g for g in self.states if layer in g.layers), None)
+                    owner = next((g for g in self.states if layer in g.layers and g.kind == s.kind), None)
                     if not start <= layer < end or owner is None:
                         raise _FieldError(where + ("states", j, "layers", k), f"is {layer}, not a stateful layer of "
                                           f"this stage ({start}:{end})")
                     if asdict(owner) | {"layers": None} != asdict(s) | {"layers": None}:
                         raise _FieldError(where + ("states", j), f"differs from the manifest state holding layer {layer}")
-                    if layer in held:
+                    if (layer, s.kind) in held:
                         raise _FieldError(where + ("states", j, "layers", k), f"layer {layer} is in two states")
-                    held.add(layer)
-            owned = {layer for g in self.states for layer in g.layers if start <= layer < end}
+                    held.add((layer, s.kind))
+            owned = {(layer, g.kind) for g in self.states for layer in g.layers if start <= layer < end}
             if held != owned:
-                raise _FieldError(where + ("states",), f"misses the state of layer {min(owned - held)}")
+                raise _FieldError(where + ("states",), f"misses the {min(owned - held)[1]} state of layer "
+                                  f"{min(owned - held)[0]}")
             for g in self.graphs:
                 if g.name != st.graph:
                     continue

@@ -161,6 +161,54 @@ SPECS: dict[str, Spec] = {
             features=("conv_state", "hybrid", "sliding_window", "two_kv_flavors", "attention_gate", "sandwich_norm"),
         ),
         Spec(
+            "qwen3_5",
+            "Qwen3_5ForCausalLM",
+            # gated-delta-net layers around one gated full-attention layer; v heads twice the q/k heads,
+            # key and value head sizes differ, half of each attention head rotated. Smaller weights than
+            # the others: at 0.15 transformers' own fp32 forward is 5e-4 from its fp64 one (the delta
+            # rule's recurrence amplifies rounding), at 0.05 1.9e-5 (measured up to 100 tokens)
+            dict(_COMMON, initializer_range=0.05, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=27,
+            features=("gated_delta", "recurrent_state", "hybrid", "attention_output_gate", "partial_rotary",
+                      "norm_weight_offset"),
+        ),
+        Spec(
+            "qwen3_5_moe",
+            "Qwen3_5MoeForCausalLM",
+            # Qwen3.5's layers, each with softmax top-2-of-4 routed experts plus a gated shared expert
+            dict(_COMMON, initializer_range=0.05, vocab_size=300, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=28,
+            features=("gated_delta", "recurrent_state", "hybrid", "moe", "shared_expert", "tied"),
+        ),
+        Spec(
+            "qwen3_next",
+            "Qwen3NextForCausalLM",
+            # fused, per-head-grouped gated-delta projections (in_proj_qkvz, in_proj_ba) split on load;
+            # a dense MLP layer (mlp_only_layers) beside MoE layers with a gated shared expert
+            dict(_COMMON, initializer_range=0.05, vocab_size=300, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16,
+                 layer_types=["linear_attention", "full_attention", "linear_attention"],
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True,
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                             "partial_rotary_factor": 0.25},
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=29,
+            features=("gated_delta", "recurrent_state", "hybrid", "moe", "shared_expert", "dense_layers"),
+        ),
+        Spec(
             "gemma3_text",
             "Gemma3ForCausalLM",
             # 2:1 local/global layers (sliding_window_pattern 3), each kind with its own rope (the
@@ -316,8 +364,9 @@ SLIDING_CASES = [n for n, s in SPECS.items() if "sliding_window" in traits(s)]
 def config_class(architecture: str):
     import transformers
 
-    # Gemma3Config is the vision-language one; its text model has a config class of its own
-    return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+    # Gemma3Config and Qwen3_5Config are the vision-language ones; their text models have config classes of their own
+    return getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig", "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+                                  "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig"}.get(
         architecture, architecture.replace("ForCausalLM", "Config").replace("ForConditionalGeneration", "Config")))
 
 

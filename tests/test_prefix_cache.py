@@ -21,7 +21,7 @@ from graphkiln.runtime.request.scheduler import Scheduler
 B = 4  # block size of these tests
 STEPS = 12
 GREEDY = GenerationConfig(max_new_tokens=STEPS, temperature=0, stop_token_ids=(), output_logits=True)
-CASES = ["llama_tok", "qwen3_moe", "lfm2", "mistral_sliding"]
+CASES = ["llama_tok", "qwen3_moe", "lfm2", "mistral_sliding", "qwen3_5"]
 
 
 def prompts(vocab: int, salt: int = 0) -> list[list[int]]:

@@ -67,13 +67,13 @@ def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:
         args.append(torch.arange(seq).expand(3, 1, seq).contiguous())
     if cfg.image_lookahead:
         args.append(torch.zeros(1, seq, dtype=torch.long))
-    if cfg.layers_of("conv"):
+    if cfg.has_slot_states:
         args += [torch.tensor([seq]), torch.tensor([0])]
-    for layer in cfg.layers:
+    for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
             args += [torch.zeros(1, cfg.num_kv_heads, seq, cfg.head_dim, dtype=dtype) for _ in range(2)]
         else:
-            args.append(torch.zeros(1, cfg.hidden_size, cfg.conv_kernel - 1, dtype=dtype))
+            args += [torch.zeros(1, *state.shape, dtype=dtype) for state in cfg.slot_states(i)]
     try:
         with torch.no_grad():
             decoder(*args)

@@ -51,7 +51,7 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
         ins.append(TensorSpec("rope_position_ids", "int64", (3, "batch", "seq"), "rope_position_ids"))
     if cfg.image_lookahead:
         ins.append(TensorSpec("lookahead", "int64", ("batch", "seq"), "lookahead"))
-    if cfg.layers_of("conv"):
+    if cfg.has_slot_states:
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
     outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
@@ -64,9 +64,10 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
                 ins.append(TensorSpec(f"past_{part}.{i}", dtype, ("batch", kv, "cache_len", d), f"past_{part}", i))
                 outs.append(TensorSpec(f"new_{part}.{i}", dtype, ("batch", kv, "seq", d), f"new_{part}", i))
         else:
-            width = cfg.conv_kernel - 1
-            ins.append(TensorSpec(f"conv_state.{i}", dtype, ("slots", cfg.hidden_size, width), "conv_state", i))
-            outs.append(TensorSpec(f"new_conv_state.{i}", dtype, ("batch", cfg.hidden_size, width), "new_conv_state", i))
+            for state in cfg.slot_states(i):
+                role = f"{state.kind}_state"
+                ins.append(TensorSpec(f"{role}.{i}", dtype, ("slots", *state.shape), role, i))
+                outs.append(TensorSpec(f"new_{role}.{i}", dtype, ("batch", *state.shape), f"new_{role}", i))
     return ins, outs
 
 
@@ -168,16 +169,17 @@ def _trace(model: DecoderForExport, opset: int):
     if cfg.image_lookahead:
         states.append(torch.zeros(b, s, dtype=torch.long))
         state_dims.append({0: batch, 1: seq})
-    if cfg.layers_of("conv"):
+    if cfg.has_slot_states:
         states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
         state_dims += [{0: batch}, {0: batch}]
-    for layer in cfg.layers:
+    for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
             states += [torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2)]
             state_dims += [{0: batch, 2: cache}, {0: batch, 2: cache}]
         else:
-            states.append(torch.zeros(slots, cfg.hidden_size, cfg.conv_kernel - 1, dtype=dtype))
-            state_dims.append({0: slot_dim})
+            for state in cfg.slot_states(i):
+                states.append(torch.zeros(slots, *state.shape, dtype=dtype))
+                state_dims.append({0: slot_dim})
     args += states
     dynamic.append(tuple(state_dims))
 

@@ -276,6 +276,24 @@ def export_graphs(out_dir: Path, traced, used_ops, targets: tuple[str, ...], opt
     return (graphs[-1], *graphs[:-1]), [o for o in used_ops if (o.domain, o.name, o.version) in ops]
 
 
+def slot_state_specs(cfg, layers, max_seq_len: int, state_dtype: str) -> list:
+    """The manifest states of ``layers``' conv and recurrent pools (``DecoderConfig.slot_states``):
+    one StateSpec per (kind, per-slot shape), in layer order."""
+    groups: dict[tuple, list[int]] = {}
+    for i in layers:
+        for state in cfg.slot_states(i):
+            groups.setdefault((state.kind, state.shape), []).append(i)
+    specs = []
+    for (kind, shape), held in groups.items():
+        if kind == "conv":
+            specs.append(StateSpec("conv", tuple(held), 0, 0, max_seq_len, state_dtype, layout="slots,channels,width",
+                                   channels=shape[0], width=shape[1]))
+        else:
+            specs.append(StateSpec("recurrent", tuple(held), 0, 0, max_seq_len, state_dtype,
+                                   layout="slots,heads,rows,cols", dims=shape))
+    return specs
+
+
 def _batched_graphs(out_dir: Path, graphs, opts: ExportOptions, quant_inputs) -> tuple:
     """A quantized fp32 artifact's batched-step graph (``lowering.batched_int8``) beside its
     onnxruntime decoder graph; () for the others."""
@@ -495,9 +513,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             layers = tuple(i for i in attention if cfg.layers[i].window == window)
             states.append(StateSpec("kv", layers, cfg.num_kv_heads, cfg.head_dim, max_seq_len, state_dtype,
                                     sliding_window=window))
-        if cfg.layers_of("conv"):
-            states.append(StateSpec("conv", cfg.layers_of("conv"), 0, 0, max_seq_len, state_dtype,
-                                    layout="slots,channels,width", channels=cfg.hidden_size, width=cfg.conv_kernel - 1))
+        states += slot_state_specs(cfg, range(cfg.num_layers), max_seq_len, state_dtype)
 
         _say(opts, "[4/4] writing checksums and manifest")
         manifest = Manifest(

@@ -245,8 +245,8 @@ def _module_class():
             # the decoder's own rope helper (M-RoPE included), over this module's tables
             rope = {name: DecoderForExport._rope(self, name, rope_position_ids) for name in self.rope_flavors}
             new_states, off = [], 0
-            for spec, layer in zip(self.specs, self.model.layers.values()):
-                arity = 2 if spec.mixer == "attention" else 1
+            for i, (spec, layer) in zip(range(self.start, self.end), zip(self.specs, self.model.layers.values())):
+                arity = 2 if spec.mixer == "attention" else len(cfg.slot_states(i))
                 x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead)
                 off += arity
                 new_states += new

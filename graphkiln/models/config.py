@@ -31,7 +31,7 @@ class RopeConfig:
 class LayerSpec:
     """One decoder layer: its token mixer, attention window, rope flavor and feed-forward kind."""
 
-    mixer: str = "attention"  # "attention" | "conv"
+    mixer: str = "attention"  # "attention" | "conv" | "gated_delta"
     window: int | None = None  # sliding window of an attention layer; None = full attention
     rope: str = "default"  # key into DecoderConfig.ropes
     ffn: str = "mlp"  # "mlp" | "moe"
@@ -49,6 +49,43 @@ class MoEConfig:
     norm_eps: float = 0.0
     routed_scaling: float = 1.0
     expert_bias: bool = False
+    # a shared expert every token goes through beside the routed ones, its output scaled by
+    # sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE); 0: none
+    shared_expert_size: int = 0
+
+
+@dataclass(frozen=True)
+class GatedDeltaConfig:
+    """A gated-delta-net layer's sizes (Qwen3.5, Qwen3-Next ``linear_attention`` layers): q/k heads
+    of ``head_k_dim``, v heads of ``head_v_dim`` (a multiple of the q/k heads), and the causal conv
+    over the concatenated q, k, v of ``conv_kernel`` taps."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One per-slot state a layer's mixer holds (``manifest.StateSpec`` kinds ``conv``/``recurrent``):
+    the graph reads the pool ``[slots, *shape]`` at ``slot_idx`` and returns the rows it wrote."""
+
+    kind: str  # "conv" | "recurrent"
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -82,6 +119,12 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     conv_kernel: int = 0
     conv_bias: bool = False
+    gated_delta: GatedDeltaConfig | None = None  # the gated_delta layers' sizes
+    # Rotary over the first rotary_dim of each head only (partial_rotary_factor); None: the whole head
+    rotary_dim: int | None = None
+    # q_proj yields each head's query then as many gate values; the attention output is multiplied
+    # by sigmoid(gate) elementwise before o_proj (Qwen3-Next, Qwen3.5)
+    attention_output_gate: bool = False
     attention_gate: bool = False  # per-head sigmoid gate on the attention output (LFM3)
     sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3, Gemma3)
     # Numerical conventions some families have; each default is the Llama behaviour.
@@ -119,6 +162,22 @@ class DecoderConfig:
 
     def layers_of(self, mixer: str) -> tuple[int, ...]:
         return tuple(i for i, l in enumerate(self.layers) if l.mixer == mixer)
+
+    def slot_states(self, layer: int) -> tuple[SlotState, ...]:
+        """The per-slot states of ``layer``'s mixer, in the order the graph takes them (none for attention)."""
+        mixer = self.layers[layer].mixer
+        if mixer == "conv":
+            return (SlotState("conv", (self.hidden_size, self.conv_kernel - 1)),)
+        if mixer == "gated_delta":
+            g = self.gated_delta
+            return (SlotState("conv", (g.conv_dim, g.conv_kernel - 1)),
+                    SlotState("recurrent", (g.num_v_heads, g.head_k_dim, g.head_v_dim)))
+        return ()
+
+    @property
+    def has_slot_states(self) -> bool:
+        """Whether any layer keeps per-slot state: the graph then takes seq_lens and slot_idx."""
+        return any(l.mixer != "attention" for l in self.layers)
 
 
 # --- typed reads of config.json values -------------------------------------------------------

@@ -23,17 +23,20 @@ Graph contract (one graph serves prefill and decode):
                 runtime.prompt_layout): rotary positions, which need not be the cache positions
   lookahead     int64 [batch, seq]      extra positions each token may see (only with
                 image_lookahead: Gemma3's bidirectional images; graphkiln.Attention)
-  seq_lens      int64 [batch]           real tokens per row      (only with conv layers)
-  slot_idx      int64 [batch]           row b's conv-state slot  (only with conv layers)
+  seq_lens      int64 [batch]           real tokens per row      (only with slot-state layers)
+  slot_idx      int64 [batch]           row b's slot             (only with slot-state layers)
   then per layer, in layer order:
     attention:  past_key.i / past_value.i  [batch, kv_heads, cache_len, head_dim]
                 (only positions < start_b are read)
     conv:       conv_state.i  [slots, channels, kernel-1]  (the whole pool, read at slot_idx)
+    gated_delta: conv_state.i [slots, conv_dim, kernel-1], recurrent_state.i [slots, v_heads,
+                k_dim, v_dim] (whole pools, read at slot_idx; ``DecoderConfig.slot_states``)
   -> logits     float32 [batch, n_logits, vocab]
   -> last_hidden_state [batch, n_logits, hidden] (model dtype; only with return_hidden_states):
                 the final-norm hidden states at the logits_index positions
   -> per layer: new_key.i / new_value.i [batch, kv_heads, seq, head_dim]  (rows for position_ids)
                 new_conv_state.i [batch, channels, kernel-1]               (rows for slot_idx)
+                new_recurrent_state.i [batch, v_heads, k_dim, v_dim]       (rows for slot_idx)
 
 Attention runs through the ``graphkiln.Attention`` custom op (rotary from per-position
 cos/sin tables sized by ``set_rope_positions``, grouped heads, windows), so targets can
@@ -66,15 +69,46 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class RMSNormGated(nn.Module):
+    """Gated delta net's output norm: RMSNorm of x (fp32, scaled in the input dtype) times silu(gate)
+    in fp32 (transformers' Qwen3_5RMSNormGated). Its weight is stored plain (no +1 offset)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Rotary over the first ``2 * cos.shape[-1]`` dims of each head of ``x`` [b, s, heads, head_dim]
+    (rotate-half pairing inside them, the rest passed through), as transformers' apply_rotary_pos_emb
+    with partial_rotary_factor < 1, in x's dtype."""
+    half = cos.shape[-1]
+    c = cos[position_ids].unsqueeze(2).to(x.dtype)  # [b, s, 1, half]
+    s_ = sin[position_ids].unsqueeze(2).to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_, rest), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = spec.window
         self.rope = spec.rope
+        self.rotary_dim = cfg.rotary_dim if cfg.rotary_dim and cfg.rotary_dim < cfg.head_dim else None
+        self.output_gate = cfg.attention_output_gate
         # q, k and v in one Linear (one weight read, one GEMM per step): checkpoints' separate
-        # q_proj/k_proj/v_proj are concatenated on load (``sources.fused_source``).
-        self.qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        # q_proj/k_proj/v_proj are concatenated on load (``sources.fused_source``); with an output
+        # gate, q_proj's rows are each head's query then its gate (Qwen3-Next's layout).
+        q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attention_output_gate else 1)
+        self.qkv_sizes = [q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
@@ -91,10 +125,21 @@ class Attention(nn.Module):
 
         b, s, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, s, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)
         if self.q_norm is not None:
             q = self.q_norm(q.view(b, s, self.num_heads, self.head_dim)).view(b, s, -1)
             k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
         cos, sin, layout = rope_tables
+        if self.rotary_dim is not None:
+            # Partial rotary is applied here and the op gets identity tables (cos 1, sin 0): the op
+            # rotates whole heads. Costs a few elementwise ops; an op attribute would save them.
+            q = rotate_partial(q.view(b, s, self.num_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
+            k = rotate_partial(k.view(b, s, self.num_kv_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
+            cos = torch.ones(cos.shape[0], self.head_dim // 2, dtype=cos.dtype)
+            sin = torch.zeros(sin.shape[0], self.head_dim // 2, dtype=sin.dtype)
         if lookahead is None:  # causal tokens: one constant zero (folded by every target)
             lookahead = torch.zeros(1, 1, dtype=torch.int64)
         out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, lookahead,
@@ -102,6 +147,8 @@ class Attention(nn.Module):
                                                   rope_layout=layout)
         if self.g_proj is not None:
             out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out), new_k, new_v
 
 
@@ -124,6 +171,46 @@ class ShortConv(nn.Module):
         bias = self.conv.bias if self.conv.bias is not None else torch.zeros_like(weight[:, 0])
         y, new_state = torch_op("ShortConv")(b_gate * xs, weight, bias, pool, slot_idx, seq_lens, self.channels)
         return self.out_proj(c_gate * y), new_state
+
+
+class GatedDeltaNet(nn.Module):
+    """A gated-delta-net layer (Qwen3.5 / Qwen3-Next ``linear_attn``): in_proj_qkv -> causal conv
+    (graphkiln.ShortConv, per-slot state) -> SiLU -> q, k, v heads; beta = sigmoid(in_proj_b),
+    g = -exp(A_log) * softplus(in_proj_a + dt_bias); the recurrence (graphkiln.GatedDeltaRule,
+    per-slot matrix state); RMSNormGated with silu(in_proj_z); out_proj. Parameter names are
+    transformers'."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        g = self.g = cfg.gated_delta
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, g.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, g.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, g.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, g.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(g.conv_dim, g.conv_dim, g.conv_kernel, groups=g.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(g.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(g.num_v_heads))
+        self.norm = RMSNormGated(g.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(g.value_dim, h, bias=False)
+
+    def forward(self, x, conv_pool, recurrent_pool, slot_idx, seq_lens):
+        from graphkiln.ops import torch_op
+
+        g = self.g
+        b, s, _ = x.shape
+        weight = self.conv1d.weight.squeeze(1)
+        mixed, new_conv = torch_op("ShortConv")(self.in_proj_qkv(x), weight, torch.zeros_like(weight[:, 0]),
+                                                 conv_pool, slot_idx, seq_lens, g.conv_dim)
+        q, k, v = F.silu(mixed).split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out, new_state = torch_op("GatedDeltaRule")(
+            q.reshape(b, s, g.num_k_heads, g.head_k_dim), k.reshape(b, s, g.num_k_heads, g.head_k_dim),
+            v.reshape(b, s, g.num_v_heads, g.head_v_dim), decay, beta, recurrent_pool, slot_idx, seq_lens,
+            g.head_k_dim ** -0.5)
+        z = self.in_proj_z(x).reshape(b, s, g.num_v_heads, g.head_v_dim)
+        return self.out_proj(self.norm(out, z).reshape(b, s, g.value_dim)), new_conv, new_state
 
 
 class MLP(nn.Module):
@@ -156,6 +243,11 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
         self.experts = Experts(cfg)
         self.expert_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts)) if cfg.moe.expert_bias else None
+        if cfg.moe.shared_expert_size:
+            self.shared_expert = MLP(cfg, cfg.moe.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x):
         from graphkiln.ops import torch_op
@@ -166,6 +258,8 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.expert_bias is not None else torch.zeros(m.num_experts, dtype=torch.float32)
         out = torch_op("MoE")(flat, self.gate(flat), self.experts.gate_up_proj, self.experts.down_proj, bias,
                               m.top_k, m.scoring, int(m.normalize), m.norm_eps, m.routed_scaling)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(b, s, h)
 
 
@@ -175,6 +269,8 @@ class DecoderLayer(nn.Module):
         self.spec = spec
         if spec.mixer == "attention":
             self.self_attn = Attention(cfg, spec)
+        elif spec.mixer == "gated_delta":
+            self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.conv = ShortConv(cfg)
         self.mlp = MoE(cfg) if spec.ffn == "moe" else MLP(cfg)
@@ -192,6 +288,9 @@ class DecoderLayer(nn.Module):
         if self.spec.mixer == "attention":
             h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead)
             new = (k, v)
+        elif self.spec.mixer == "gated_delta":
+            h, conv_state, recurrent_state = self.linear_attn(h, state[0], state[1], slot_idx, seq_lens)
+            new = (conv_state, recurrent_state)
         else:
             h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
             new = (conv_state,)
@@ -239,7 +338,7 @@ class DecoderForExport(nn.Module):
         for name, inv in inv_freqs.items():
             self.register_buffer(f"inv_freq_{name}", inv.to(torch.float32), persistent=False)
         self.scalings = scalings
-        self.has_conv = bool(cfg.layers_of("conv"))
+        self.has_conv = cfg.has_slot_states  # the graph takes seq_lens and slot_idx
         self.rope_positions = cfg.max_position_embeddings
 
     def set_rope_positions(self, positions: int) -> None:
@@ -277,7 +376,7 @@ class DecoderForExport(nn.Module):
         return per_token(cos), per_token(sin), 1
 
     def state_arity(self, i: int) -> int:
-        return 2 if self.cfg.layers[i].mixer == "attention" else 1
+        return 2 if self.cfg.layers[i].mixer == "attention" else len(self.cfg.slot_states(i))
 
     # export --return-hidden-states: forward also returns ``last_hidden_state`` [batch, n_logits,
     # hidden] (model dtype) right after logits, the final-norm states the head reads

@@ -28,11 +28,11 @@ def _parse(raw: dict):
     return parse_dense(raw, ARCH, qk_norm=True, mlp_bias=False, layers=layers, moe=moe)
 
 
-def _source(name: str, cfg):
+def stacked_expert_source(name: str, cfg):
     m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if m:
         return stacked_experts(m.group(1), cfg.moe.num_experts, "gate_proj", "up_proj", "down_proj")[m.group(2)]
     return name
 
 
-FAMILY = register(ModelFamily(ARCH, _parse, _source))
+FAMILY = register(ModelFamily(ARCH, _parse, stacked_expert_source))

@@ -25,11 +25,21 @@ class Cat:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Row ranges ``[start, stop)`` of one stored tensor of ``total`` rows, concatenated in order
+    (a checkpoint's fused projection laid out per head group, split into the decoder's parts)."""
+
+    parts: tuple  # one Source
+    ranges: tuple  # ((start, stop), ...)
+    total: int
+
+
+@dataclass(frozen=True)
 class Alt:
     options: tuple  # the first option whose tensors all exist wins
 
 
-Source = str | Stack | Cat | Alt
+Source = str | Stack | Cat | Rows | Alt
 
 
 def names_in(src: Source) -> list[str]:
@@ -53,7 +63,7 @@ def renamer(rules: list[tuple[str, str]]):
 
 _FUSED = (
     (re.compile(r"^(.*\.self_attn)\.qkv_proj\.(weight|bias)$"), ("q_proj", "k_proj", "v_proj")),
-    (re.compile(r"^(.*\.mlp)\.gate_up_proj\.(weight|bias)$"), ("gate_proj", "up_proj")),
+    (re.compile(r"^(.*\.(?:mlp|shared_expert))\.gate_up_proj\.(weight|bias)$"), ("gate_proj", "up_proj")),
 )
 
 
@@ -66,6 +76,8 @@ def fused_source(source, name: str, cfg) -> Source:
             sizes = None
             if parts[0] == "q_proj":
                 q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+                if cfg.attention_output_gate:  # q_proj holds each head's query and its gate
+                    q *= 2
                 sizes = (q, kv, kv)
             return Cat(tuple(source(f"{m.group(1)}.{part}.{m.group(2)}", cfg) for part in parts), sizes)
     return source(name, cfg)

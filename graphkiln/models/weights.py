@@ -23,7 +23,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport, RMSNorm
 from graphkiln.models.registry import ModelFamily
-from graphkiln.models.sources import Alt, Cat, Source, Stack, fused_source, names_in
+from graphkiln.models.sources import Alt, Cat, Rows, Source, Stack, fused_source, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The stored types a float weight may have (F64 is converted like the others). Anything else, an
@@ -41,7 +41,8 @@ def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Te
     """inv_freq and attention scaling of one rope flavor, as the reference computes them."""
     rope = cfg.ropes[flavor]
     if rope.rope_type == "default":
-        inv = 1.0 / (rope.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        dim = cfg.rotary_dim or cfg.head_dim  # partial rotary: frequencies over the rotated dims only
+        inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
     if rope.rope_type == "dynamic":
         raise GraphkilnError("rope_type 'dynamic' changes with sequence length and cannot be exported; use a static rope type")
@@ -170,6 +171,9 @@ class _Reader:
             return torch.stack([self.read(p) for p in src.parts])
         if isinstance(src, Cat):
             return self._read_cat(src)
+        if isinstance(src, Rows):
+            whole = self.read(src.parts[0])
+            return torch.cat([whole[a:b] for a, b in src.ranges])
         shard = self.where[src]
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
@@ -258,6 +262,11 @@ def _check_shape(reader: _Reader, src: Source, expected: tuple[int, ...], param:
             via = "" if src == param else f" (read for {param})"
             raise GraphkilnError(f"weight '{src}'{via} has shape {shape} but config.json implies {tuple(expected)}: "
                                  "the safetensors files do not match config.json")
+        return
+    if isinstance(src, Rows):
+        if sum(b - a for a, b in src.ranges) != expected[0]:  # the family's ranges: a programming error
+            raise GraphkilnError(f"{param}: row ranges {src.ranges} do not make {expected[0]} rows")
+        _check_shape(reader, src.parts[0], (src.total, *expected[1:]), param)
         return
     if isinstance(src, Stack):
         if len(src.parts) != expected[0]:  # the family builds one part per expert: a programming error

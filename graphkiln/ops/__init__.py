@@ -24,7 +24,7 @@ from types import ModuleType
 
 from graphkiln.ops.spec import DOMAIN, AttrSpec, CustomOpSpec
 
-OP_MODULES = ("attention", "moe", "short_conv")
+OP_MODULES = ("attention", "moe", "short_conv", "gated_delta")
 
 __all__ = ["DOMAIN", "AttrSpec", "CustomOpSpec", "OP_MODULES", "op_modules", "specs", "register_torch_ops", "torch_op"]
 

@@ -26,7 +26,7 @@ from graphkiln.runtime.request.step import StepBatch
 from graphkiln.runtime.request.tokenizer import Tokenizer
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent
 
-KNOWN_STATE_KINDS = {"kv", "conv"}
+KNOWN_STATE_KINDS = {"kv", "conv", "recurrent"}
 BUSY = "this Engine is already generating: use one Engine per concurrent caller"
 
 

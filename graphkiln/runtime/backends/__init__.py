@@ -55,6 +55,10 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
                                  f"on {device}: load it without backend/device")
         import_ray()  # before anything else: the missing extra is the one line to give
         return open_ray(artifact_dir, manifest, manifest_digest, threads, target, options)
+    if any(s.kind == "recurrent" for s in manifest.states) and (backend, device) != ("onnxruntime", "cpu"):
+        # the GPU pools (runtime.backends.device_state) hold KV and conv state only so far
+        raise GraphkilnError(f"models with recurrent-state layers (gated delta net, Mamba-2) run on onnxruntime on the "
+                             f"CPU only for now, not {backend} on {device}: load it without backend/device")
     if manifest.vision is not None and (backend, device) != ("onnxruntime", "cpu"):
         # the GPU runners bind no vision seam yet (runtime.backends.trt_runner, runtime.backends.ort_cuda)
         raise GraphkilnError(f"vision-language artifacts run on onnxruntime on the CPU only for now, not {backend} on "

@@ -181,7 +181,7 @@ class StageWorker:
         return {"incarnation": self.incarnation, "pid": os.getpid(), "node_id": _node_id(), "spec": self.runner.spec,
                 "has_next_token": self.runner.has_next_token,
                 "has_hidden_states": self.runner.has_hidden_states, "slots": self.pool.slots, "live": self.pool.live,
-                "nbytes": self.pool.nbytes, "layers": sorted(set(self.pool.keys) | set(self.pool.conv)),
+                "nbytes": self.pool.nbytes, "layers": sorted(set(self.pool.keys) | set(self.pool.conv) | set(self.pool.recurrent)),
                 "peak_rss": _peak_rss(), "vision_runs": self.vision_runs}
 
     # Every call below names the incarnation the driver believes it talks to: a call meant for

@@ -26,7 +26,7 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
 from graphkiln.batched_int8 import derived_weights
-from graphkiln.manifest import BatchedGraphSpec, GraphSpec, is_pool_output
+from graphkiln.manifest import SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec, is_pool_output
 from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.backends.state import StatePool
 
@@ -112,6 +112,11 @@ def check_io(session, spec: GraphSpec) -> None:
                                      f"{t.dtype} {list(t.shape)}: re-export the artifact")
 
 
+def slot_pool(pool: StatePool, role: str, layer: int) -> np.ndarray:
+    """The pool a slot-state input (``conv_state``, ``recurrent_state``) of ``layer`` reads."""
+    return pool.conv[layer] if role == "conv_state" else pool.recurrent[layer]
+
+
 class DecoderGraph:
     """Runs prefill and decode steps of one decoder graph: the whole model, or one pipeline stage
     (export.stages: its first input is ``input_ids`` or the previous stage's ``hidden_states``,
@@ -152,8 +157,10 @@ class DecoderGraph:
         self.new = [(t.role, t.layer) for t in spec.outputs]
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
                         if t.role in ("present_key", "present_value")}
-        # conv layers whose new_conv_state is the whole pool, bound to the conv_state buffer
-        self.pool_outputs = {t.layer: t.name for t in spec.outputs if is_pool_output(t)}
+        # slot states (conv, recurrent) whose output is the whole pool, bound to the input's buffer:
+        # (input role, layer) -> output name
+        state_input = {out: inp for inp, out in SLOT_STATE_ROLES.items()}
+        self.pool_outputs = {(state_input[t.role], t.layer): t.name for t in spec.outputs if is_pool_output(t)}
         # in-place graphs: IOBindings by (batch, first slot, pool, pool generation, tokens only), a
         # few kept (a scheduler alternates a decode range and a prefill range); see _binding
         self._bindings: dict[tuple, _Bound] = {}
@@ -161,8 +168,8 @@ class DecoderGraph:
         self._returned = [(i, t.name, t.shape, numpy_dtype(t.dtype)) for i, t in enumerate(spec.outputs)
                           if t.role not in ("present_key", "present_value") and not is_pool_output(t)]
         # Per-step loops cover only what needs work (a decode step's Python runs with cold caches).
-        self._conv_inputs = [(layer, name) for role, layer, name in self.states
-                             if role == "conv_state" and layer not in self.pool_outputs]
+        self._slot_inputs = [(role, layer, name) for role, layer, name in self.states
+                             if role in SLOT_STATE_ROLES and (role, layer) not in self.pool_outputs]
         self._logits_at = next(i for i, t in enumerate(spec.outputs) if t.role == result)  # logits, or a stage's hidden states
         # the folded greedy sampler: argmax per logits row, -1 for a row with NaN/+Inf or no finite value
         self._next_token_at = next((i for i, t in enumerate(spec.outputs) if t.role == "next_token"), None)
@@ -171,7 +178,7 @@ class DecoderGraph:
         self._hidden_at = next((i for i, t in enumerate(spec.outputs) if t.role == "last_hidden_state"), None)
         self.has_hidden_states = self._hidden_at is not None
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
-                            if t.role in ("new_key", "new_value", "new_conv_state") and not is_pool_output(t)]
+                            if t.role in ("new_key", "new_value", *SLOT_STATE_ROLES.values()) and not is_pool_output(t)]
 
     def run(self, pool: StatePool, first_input: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray,
@@ -221,7 +228,8 @@ class DecoderGraph:
             feeds = {name: given[role] for role, name in self.names.items()}
             keys, values = pool.kv_views(n, first_slot)
             for role, layer, name in self.states:
-                feeds[name] = keys[layer] if role == "past_key" else values[layer] if role == "past_value" else pool.conv[layer]
+                feeds[name] = (keys[layer] if role == "past_key" else values[layer] if role == "past_value"
+                               else slot_pool(pool, role, layer))
             skip = {self._logits_at if tokens_only else self._next_token_at}
             if not with_hidden:
                 skip.add(self._hidden_at)
@@ -232,10 +240,12 @@ class DecoderGraph:
         for i, role, layer in self._state_rows:
             new.setdefault(layer, {})[role] = outs[i]
         for layer, rows in new.items():
+            if "new_key" in rows:
+                pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths, first_slot)
             if "new_conv_state" in rows:
                 pool.write_conv(layer, rows["new_conv_state"], slot_idx)
-            else:
-                pool.write_kv(layer, rows["new_key"], rows["new_value"], position_ids[:, 0], lengths, first_slot)
+            if "new_recurrent_state" in rows:
+                pool.write_recurrent(layer, rows["new_recurrent_state"], slot_idx)
         result = outs[self._next_token_at if tokens_only else self._logits_at]
         return (result, outs[self._hidden_at]) if with_hidden else result
 
@@ -261,8 +271,8 @@ class DecoderGraph:
         binding = bound.binding
         for role, name in self.names.items():
             bound.feed(name, given[role])
-        for layer, name in self._conv_inputs:  # rebound each step: cheap, and never a stale copy
-            binding.bind_cpu_input(name, pool.conv[layer])
+        for role, layer, name in self._slot_inputs:  # rebound each step: cheap, and never a stale copy
+            binding.bind_cpu_input(name, slot_pool(pool, role, layer))
         skip = self._logits_at if tokens_only else self._next_token_at
         outs: list = [None] * len(self.new)
         for i, name, spec_shape, dtype in self._returned:
@@ -308,10 +318,10 @@ class DecoderGraph:
             if role in ("present_key", "present_value"):
                 binding.bind_ortvalue_output(name, kv_values[(role.replace("present_", "past_"), layer)])
         for role, layer, name in self.states:  # the whole pool in and out: one buffer, written in place
-            if role == "conv_state" and layer in self.pool_outputs:
-                kv_values[(role, layer)] = ort.OrtValue.ortvalue_from_numpy(pool.conv[layer])
+            if (role, layer) in self.pool_outputs:
+                kv_values[(role, layer)] = ort.OrtValue.ortvalue_from_numpy(slot_pool(pool, role, layer))
                 binding.bind_ortvalue_input(name, kv_values[(role, layer)])
-                binding.bind_ortvalue_output(self.pool_outputs[layer], kv_values[(role, layer)])
+                binding.bind_ortvalue_output(self.pool_outputs[role, layer], kv_values[(role, layer)])
         bound = self._bindings[key] = _Bound(binding, kv_values)
         return bound
 

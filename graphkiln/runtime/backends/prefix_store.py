@@ -2,9 +2,9 @@
 
 A block is ``block_size`` consecutive positions of one sequence. ``BlockStore`` holds, per
 attention layer of its pool, key and value rows ``[blocks, kv_heads, block_size, head_dim]``
-and, per conv layer, one state snapshot per block ``[blocks, channels, width]`` (the conv state
-after the block's last position, kept only where a run ended exactly there: conv state cannot be
-recomputed from the KV rows). Which block id holds which prefix is the request path's
+and, per conv or recurrent state of a layer, one snapshot per block ``[blocks, *slot shape]`` (the
+state after the block's last position, kept only where a run ended exactly there: such state cannot
+be recomputed from the KV rows). Which block id holds which prefix is the request path's
 (``runtime.request.prefix.PrefixIndex``); this module only copies rows between a slot and block
 ids, so each pool (one per pipeline stage, in this process or in a Ray actor) keeps its own
 layers' blocks and nothing else.
@@ -33,13 +33,13 @@ from graphkiln.manifest import StateSpec
 
 
 def bytes_per_block(specs: Sequence[StateSpec], dtype: np.dtype, block_size: int) -> int:
-    """The bytes one block takes in a ``BlockStore`` over ``specs`` (KV rows and conv snapshots)."""
+    """The bytes one block takes in a ``BlockStore`` over ``specs`` (KV rows and state snapshots)."""
     total = 0
     for s in specs:
         if s.kind == "kv":
             total += len(s.layers) * 2 * s.num_kv_heads * block_size * s.head_dim
-        elif s.kind == "conv":
-            total += len(s.layers) * s.channels * s.width
+        else:
+            total += len(s.layers) * math.prod(s.slot_shape())
     return total * np.dtype(dtype).itemsize
 
 
@@ -50,7 +50,7 @@ class BlockStore:
         self.blocks, self.block_size = blocks, block_size
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
-        self.conv: dict[int, np.ndarray] = {}
+        self.snapshots: dict[tuple[str, int], np.ndarray] = {}  # (kind, layer) -> [blocks, *slot shape]
         self.window: dict[int, int | None] = {}  # per attention layer: its sliding window, None for full
         for s in specs:
             for layer in s.layers:
@@ -58,13 +58,15 @@ class BlockStore:
                     shape = (blocks, s.num_kv_heads, block_size, s.head_dim)
                     self.keys[layer], self.values[layer] = np.zeros(shape, dtype), np.zeros(shape, dtype)
                     self.window[layer] = s.sliding_window
-                elif s.kind == "conv":
-                    self.conv[layer] = np.zeros((blocks, s.channels, s.width), dtype)
+                else:
+                    self.snapshots[s.kind, layer] = np.zeros((blocks, *s.slot_shape()), dtype)
 
-    def save(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray], conv: dict[int, np.ndarray], slot: int,
-             blocks: Sequence[int], ids: Sequence[int], snapshot: int | None) -> None:
+    def save(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray],
+             slot_states: dict[tuple[str, int], np.ndarray], slot: int, blocks: Sequence[int], ids: Sequence[int],
+             snapshot: int | None) -> None:
         """Copy the slot's positions of blocks ``blocks`` (block indices in its sequence) into block
-        ids ``ids`` (pairwise), and with ``snapshot`` (a block id) the slot's conv state into it."""
+        ids ``ids`` (pairwise), and with ``snapshot`` (a block id) the slot's conv and recurrent
+        states (``slot_states``, by (kind, layer)) into it."""
         B = self.block_size
         if len(ids):
             idx = np.asarray(ids, np.int64)
@@ -76,13 +78,13 @@ class BlockStore:
                     rows = src[slot, :, first * B:(first + k) * B] if contiguous else src[slot][:, pos]  # [H, k*B, D]
                     dst[idx] = rows.reshape(rows.shape[0], k, B, rows.shape[2]).transpose(1, 0, 2, 3)
         if snapshot is not None:
-            for layer, store in self.conv.items():
-                store[snapshot] = conv[layer][slot]
+            for key, store in self.snapshots.items():
+                store[snapshot] = slot_states[key][slot]
 
-    def load(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray], conv: dict[int, np.ndarray], slot: int,
-             ids: Sequence[int], snapshot: int | None) -> None:
+    def load(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray],
+             slot_states: dict[tuple[str, int], np.ndarray], slot: int, ids: Sequence[int], snapshot: int | None) -> None:
         """Copy blocks ``ids`` (the prefix's blocks, in order) into the slot's positions
-        ``[0, len(ids) * block_size)``, and with ``snapshot`` that block's conv state into the slot."""
+        ``[0, len(ids) * block_size)``, and with ``snapshot`` that block's conv and recurrent states into the slot."""
         B, k = self.block_size, len(ids)
         idx = np.asarray(ids, np.int64)
         for layer, store in self.keys.items():
@@ -93,5 +95,5 @@ class BlockStore:
                 rows = src[part]  # [k', H, B, D]
                 dst[slot, :, skip * B:k * B] = rows.transpose(1, 0, 2, 3).reshape(rows.shape[1], len(part) * B, rows.shape[3])
         if snapshot is not None:
-            for layer, store in self.conv.items():
-                conv[layer][slot] = store[snapshot]
+            for key, store in self.snapshots.items():
+                slot_states[key][slot] = store[snapshot]

@@ -1,9 +1,12 @@
-"""Runtime-owned state pools: KV cache per attention layer, conv state per conv layer.
+"""Runtime-owned state pools: KV cache per attention layer, conv (and recurrent) state per slot.
 
 Layouts (match the manifest's ``StateSpec``), all C-contiguous in the artifact's dtype:
   kv    per attention layer: key and value ``[slots, kv_heads, capacity, head_dim]``; a
         token at position p of the request in slot s is stored at ``[s, :, p, :]``.
   conv  per conv layer: ``[slots, channels, kernel-1]``, the last inputs, oldest first.
+  recurrent  per linear-recurrent layer (gated delta net, Mamba-2): ``[slots, heads, rows,
+        cols]``, the matrix state after the slot's last token. Conv and recurrent states are the
+        *slot states*: one row per slot, zeroed on claim, read and written at ``slot_idx``.
 
 Lifecycle. The engine owns one ``StatePool`` for its life. ``reserve`` sizes it for a
 generation session (only while no slot is live, so buffers never move under a running
@@ -112,6 +115,7 @@ class StatePool(PackedSlots):
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
+        self.recurrent: dict[int, np.ndarray] = {}
         self._backing: dict[tuple[str, int], np.ndarray] = {}  # flat memory under the views above
         self.store: BlockStore | None = None  # cached prefix blocks (attach_store)
 
@@ -130,7 +134,7 @@ class StatePool(PackedSlots):
         self._check_memory(slots, capacity)
         self.slots, self.capacity = slots, capacity
         self.generation += 1
-        self.keys, self.values, self.conv = {}, {}, {}
+        self.keys, self.values, self.conv, self.recurrent = {}, {}, {}, {}
         for spec in self.specs:
             if spec.kind == "kv":
                 shape = (slots, spec.num_kv_heads, capacity, spec.head_dim)
@@ -138,9 +142,14 @@ class StatePool(PackedSlots):
                 for layer in spec.layers:
                     self.keys[layer] = self._carve(("key", layer), shape, most)
                     self.values[layer] = self._carve(("value", layer), shape, most)
-            elif spec.kind == "conv":
+            else:
+                pools = self.conv if spec.kind == "conv" else self.recurrent
                 for layer in spec.layers:
-                    self.conv[layer] = self._carve(("conv", layer), (slots, spec.channels, spec.width))
+                    pools[layer] = self._carve((spec.kind, layer), (slots, *spec.slot_shape()))
+
+    def slot_states(self) -> dict[tuple[str, int], np.ndarray]:
+        """Every conv and recurrent pool by (kind, layer)."""
+        return {**{("conv", l): a for l, a in self.conv.items()}, **{("recurrent", l): a for l, a in self.recurrent.items()}}
 
     def _shapes(self, slots: int, capacity: int) -> dict[tuple[str, int], tuple[int, ...]]:
         shapes: dict[tuple[str, int], tuple[int, ...]] = {}
@@ -148,9 +157,9 @@ class StatePool(PackedSlots):
             if spec.kind == "kv":
                 for layer in spec.layers:
                     shapes["key", layer] = shapes["value", layer] = (slots, spec.num_kv_heads, capacity, spec.head_dim)
-            elif spec.kind == "conv":
+            else:
                 for layer in spec.layers:
-                    shapes["conv", layer] = (slots, spec.channels, spec.width)
+                    shapes[spec.kind, layer] = (slots, *spec.slot_shape())
         return shapes
 
     def _check_memory(self, slots: int, capacity: int) -> None:
@@ -188,7 +197,7 @@ class StatePool(PackedSlots):
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for d in (self.keys, self.values, self.conv) for a in d.values())
+        return sum(a.nbytes for d in (self.keys, self.values, self.conv, self.recurrent) for a in d.values())
 
     # -- cached prefix blocks (backends.prefix_store) ----------------------------------------
 
@@ -202,20 +211,21 @@ class StatePool(PackedSlots):
 
     def save_blocks(self, slot: int, blocks, ids, snapshot: int | None = None) -> None:
         """``BlockStore.save`` from ``slot``."""
-        self.store.save(self.keys, self.values, self.conv, slot, blocks, ids, snapshot)
+        self.store.save(self.keys, self.values, self.slot_states(), slot, blocks, ids, snapshot)
 
     def load_blocks(self, slot: int, ids, snapshot: int | None = None) -> None:
         """``BlockStore.load`` into ``slot`` (a claimed slot, before its first run)."""
-        self.store.load(self.keys, self.values, self.conv, slot, ids, snapshot)
+        self.store.load(self.keys, self.values, self.slot_states(), slot, ids, snapshot)
 
     # -- slots (claim, release: PackedSlots) -------------------------------------------------
 
     def _clear_conv_row(self, slot: int) -> None:
-        for a in self.conv.values():
-            a[slot] = 0
+        for bufs in (self.conv, self.recurrent):
+            for a in bufs.values():
+                a[slot] = 0
 
     def _move_row(self, dst: int, src: int) -> None:
-        for bufs in (self.keys, self.values, self.conv):
+        for bufs in (self.keys, self.values, self.conv, self.recurrent):
             for a in bufs.values():
                 a[dst] = a[src]
 
@@ -223,7 +233,7 @@ class StatePool(PackedSlots):
         """Zero every row of ``slot``. For a request that failed: its rows may hold NaN/Inf, and
         the graphs read a slot's stale cache positions under a zero attention weight, where
         0 x NaN is NaN; the reuse rule (``_carve``, ``claim``) needs stale rows finite."""
-        for bufs in (self.keys, self.values, self.conv):
+        for bufs in (self.keys, self.values, self.conv, self.recurrent):
             for a in bufs.values():
                 a[slot] = 0
 
@@ -252,6 +262,9 @@ class StatePool(PackedSlots):
 
     def write_conv(self, layer: int, rows: np.ndarray, slot_idx: np.ndarray) -> None:
         self.conv[layer][slot_idx] = rows
+
+    def write_recurrent(self, layer: int, rows: np.ndarray, slot_idx: np.ndarray) -> None:
+        self.recurrent[layer][slot_idx] = rows
 
 
 def _gib(n: int) -> str:

@@ -274,5 +274,5 @@ def open_prefix_cache(pool, specs, budget_bytes: int | None, block_size: int) ->
     if blocks < 1:
         return None
     pool.attach_store(blocks, block_size)
-    snapshots = any(s.kind == "conv" for s in specs)
+    snapshots = any(s.kind in ("conv", "recurrent") for s in specs)
     return PrefixCache(pool, PrefixIndex(block_size, blocks, per_block, snapshots))
