@@ -6,6 +6,7 @@ Models (--model, default all), each ~250M parameters, vocab 32000, hidden 1024:
   qwen3moe  12 layers, 16/4 heads, 8 experts top-2, expert intermediate 512 (~248M total,
             ~134M active per token); exported with --target onnxruntime (MoE lowered)
   lfm2      16 layers (10 short-conv, 6 attention), intermediate 2816, tied (~240M)
+  qwen3_5   16 layers (12 gated delta net, 4 gated attention), intermediate 2816 (~270M)
 128-token prompt, 128 greedy new tokens, 2 threads. Prints a markdown table (median of
 --repeats runs) and optionally writes JSON.
 
@@ -40,6 +41,13 @@ MODELS = {
     "lfm2": ("Lfm2Config", dict(COMMON, num_hidden_layers=16, intermediate_size=2816, block_auto_adjust_ff_dim=False,
                                 layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
                                 pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True), "portable"),
+    # Qwen3.5-shaped: 12 gated-delta-net layers (8 q/k heads of 64, 16 v heads of 64) and 4 gated
+    # full-attention layers (8/2 heads of 128, a quarter rotated), intermediate 2816 (~270M)
+    "qwen3_5": ("Qwen3_5TextConfig", dict(COMMON, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+                                          head_dim=128, intermediate_size=2816, linear_num_key_heads=8,
+                                          linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+                                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                "onnxruntime"),
 }
 
 

@@ -40,6 +40,9 @@ H, E, I, TOP_K = 32, 8, 16, 2
 C, K, SLOTS = 16, 3, 4
 # Attention sizes: query heads, kv heads, head dim, rotary table positions
 NQ, NKV, D, POSITIONS = 4, 2, 16, 64
+# GatedDeltaRule sizes: q/k heads, value heads (a multiple), key and value head dims (different,
+# so a transposed state shows); its pool has SLOTS slots
+GHK, GHV, GDK, GDV = 2, 4, 8, 6
 
 MOE_ATTRS = ("top_k", "scoring", "normalize", "norm_eps", "routed_scaling")
 
@@ -146,6 +149,18 @@ def short_conv_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtyp
             _randn(gen, C, dtype=dtype), _randn(gen, SLOTS, C, K - 1, dtype=dtype), slot_idx, seq_lens)
 
 
+def gated_delta_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtype=torch.int64):
+    """q, k, v (activations), g <= 0 and beta in (0, 1) (fp32, as the models compute them), a
+    nonzero pool, distinct slots and ragged lengths (row 0 full)."""
+    slot_idx = torch.randperm(SLOTS, generator=gen)[:batch].to(index_dtype)
+    seq_lens = torch.randint(0, seq + 1, (batch,), generator=gen).to(index_dtype)
+    seq_lens[0] = seq
+    return (_randn(gen, batch, seq, GHK, GDK, dtype=dtype), _randn(gen, batch, seq, GHK, GDK, dtype=dtype),
+            _randn(gen, batch, seq, GHV, GDV, dtype=dtype),
+            -F.softplus(_randn(gen, batch, seq, GHV)) * 0.7, torch.sigmoid(_randn(gen, batch, seq, GHV)),
+            _randn(gen, SLOTS, GHV, GDK, GDV, scale=0.5, dtype=dtype), slot_idx, seq_lens)
+
+
 def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dtype=torch.float32):
     """Rows with different numbers of cached tokens (start_b in 0..cache; row 0 has none); the
     cache beyond each row's start holds garbage that must not be read; each new token looks
@@ -233,6 +248,11 @@ def _short_conv_dyn():
     return ({0: b, 1: s}, None, None, None, {0: b}, {0: b})
 
 
+def _gated_delta_dyn():
+    b, s = torch.export.Dim("B"), torch.export.Dim("S")
+    return ({0: b, 1: s},) * 5 + (None, {0: b}, {0: b})
+
+
 @dataclass(frozen=True)
 class OpCase:
     attrs: tuple  # attribute values, in spec order
@@ -250,6 +270,9 @@ OP_CASES: dict[str, OpCase] = {
                   sizes=(5, 1, 17), dynamic_shapes=_moe_dyn),
     "ShortConv": OpCase(attrs=(C,), make_inputs=lambda g, bs: short_conv_inputs(g, *bs),
                         sizes=((3, 6), (1, 1), (2, 9)), dynamic_shapes=_short_conv_dyn),
+    # sizes: (batch, new tokens); attrs (scale,): qk_l2norm and state_update at their defaults
+    "GatedDeltaRule": OpCase(attrs=(GDK ** -0.5,), make_inputs=lambda g, bs: gated_delta_inputs(g, *bs),
+                             sizes=((3, 6), (1, 1), (2, 9)), dynamic_shapes=_gated_delta_dyn),
 }
 
 
@@ -408,8 +431,8 @@ def test_exported_graph_carries_plugin_identity_and_function(exported, name):
 
 
 class EveryOp(torch.nn.Module):
-    """Every op in one graph: short conv over the sequence, attention over a cache, then
-    routed experts on every token."""
+    """Every op in one graph: short conv over the sequence, a gated delta rule on its output
+    (added back, as a residual), attention over a cache, then routed experts on every token."""
 
     def __init__(self):
         super().__init__()
@@ -426,9 +449,21 @@ class EveryOp(torch.nn.Module):
         self.wo = torch.nn.Parameter(_randn(g, NQ * D, C, scale=0.3))
         _, _, _, _, _, _, cos, sin, _ = attention_inputs(g, 1, 1, 1)
         self.cos, self.sin = torch.nn.Buffer(cos), torch.nn.Buffer(sin)
+        self.gq = torch.nn.Parameter(_randn(g, C, GHK * GDK, scale=0.3))
+        self.gk = torch.nn.Parameter(_randn(g, C, GHK * GDK, scale=0.3))
+        self.gv = torch.nn.Parameter(_randn(g, C, GHV * GDV, scale=0.3))
+        self.ga = torch.nn.Parameter(_randn(g, C, GHV, scale=0.3))
+        self.gb = torch.nn.Parameter(_randn(g, C, GHV, scale=0.3))
+        self.go = torch.nn.Parameter(_randn(g, GHV * GDV, C, scale=0.3))
 
-    def forward(self, x, pool, slot_idx, seq_lens, past_key, past_value, position_ids):
+    def forward(self, x, pool, recurrent_pool, slot_idx, seq_lens, past_key, past_value, position_ids):
         y, new_state = R.torch_op("ShortConv")(x, self.weight, self.bias, pool, slot_idx, seq_lens, C)
+        b, s, _ = y.shape
+        r, new_recurrent = R.torch_op("GatedDeltaRule")(
+            (y @ self.gq).reshape(b, s, GHK, GDK), (y @ self.gk).reshape(b, s, GHK, GDK),
+            (y @ self.gv).reshape(b, s, GHV, GDV), -F.softplus(y @ self.ga), torch.sigmoid(y @ self.gb),
+            recurrent_pool, slot_idx, seq_lens, GDK ** -0.5)
+        y = y + r.reshape(b, s, GHV * GDV) @ self.go
         a, new_k, new_v = R.torch_op("Attention")(y @ self.wq, y @ self.wk, y @ self.wv, past_key, past_value,
                                                   position_ids, self.cos, self.sin,
                                                   torch.zeros(1, 1, dtype=torch.int64),  # a text model's constant
@@ -436,23 +471,24 @@ class EveryOp(torch.nn.Module):
         flat = (a @ self.wo).reshape(-1, C)
         out = R.torch_op("MoE")(flat, flat @ self.router.T, self.gate_up, self.down, self.expert_bias,
                                 TOP_K, 1, 1, 1e-6, 2.0)
-        return out.reshape(y.shape), new_state, new_k, new_v
+        return out.reshape(y.shape), new_state, new_recurrent, new_k, new_v
 
 
 def _every_op_inputs(gen, batch, seq, cache):
     x, _, _, pool, slot_idx, seq_lens = short_conv_inputs(gen, batch, seq)
+    recurrent_pool = gated_delta_inputs(gen, batch, seq)[5]
     _, _, _, past_key, past_value, position_ids, _, _, _ = attention_inputs(gen, batch, seq, cache)
-    return x, pool, slot_idx, seq_lens, past_key, past_value, position_ids
+    return x, pool, recurrent_pool, slot_idx, seq_lens, past_key, past_value, position_ids
 
 
 def test_graph_with_every_op(exported):
     names = set(R.specs())
-    assert names == {"MoE", "ShortConv", "Attention"}, "extend EveryOp with the new op"
+    assert names == {"MoE", "ShortConv", "Attention", "GatedDeltaRule"}, "extend EveryOp with the new op"
     module = EveryOp()
 
     def make():
         b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
-        return module, _every_op_inputs(_gen(1), 3, 6, 4), ({0: b, 1: s}, None, {0: b}, {0: b}, {0: b, 2: c},
+        return module, _every_op_inputs(_gen(1), 3, 6, 4), ({0: b, 1: s}, None, None, {0: b}, {0: b}, {0: b, 2: c},
                                                             {0: b, 2: c}, {0: b, 1: s})
 
     ex = exported("every_op", make)
@@ -461,7 +497,8 @@ def test_graph_with_every_op(exported):
     for size in ((3, 6, 4), (1, 1, 7), (2, 4, 2)):
         inputs = _every_op_inputs(_gen(11), *size)
         want = module(*inputs)
-        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state", "new_key", "new_value")):
+        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state", "new_recurrent_state", "new_key",
+                                                      "new_value")):
             assert_close(g, w, what=f"{what} at {size}")
 
 
@@ -1017,7 +1054,7 @@ def test_per_token_rotary(exported, face, size):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. in-place state outputs (Attention kv_update=1, ShortConv state_update=1): the whole cache /
+# 6. in-place state outputs (Attention kv_update=1, ShortConv and GatedDeltaRule state_update=1): the whole cache /
 #    pool with the new rows written in, which TensorRT aliases to the state input. Mode 1 must be
 #    mode 0 plus an explicit scatter, in torch, in onnxruntime running the function, and with
 #    onnxruntime writing into the very buffer it reads (how the runtime binds tensorrt graphs).
@@ -1074,6 +1111,11 @@ IN_PLACE_CASES: dict[str, InPlaceCase] = {
         make_inputs=lambda g, sz: short_conv_inputs(g, *sz),
         scatter=lambda state, rows, inputs: _scatter_slots(state, rows, inputs[4]),
         state_inputs=(3,)),
+    "GatedDeltaRule": InPlaceCase(
+        attrs=(GDK ** -0.5,), sizes={"decode": (3, 1), "prefill": (2, 6), "every_slot": (SLOTS, 3)},
+        make_inputs=lambda g, sz: gated_delta_inputs(g, *sz),
+        scatter=lambda state, rows, inputs: _scatter_slots(state, rows, inputs[6]),
+        state_inputs=(5,)),
 }
 IN_PLACE_SIZES = [(n, s) for n, c in IN_PLACE_CASES.items() for s in c.sizes]
 
@@ -1082,7 +1124,7 @@ def test_every_in_place_op_has_a_case():
     from graphkiln.ops import op_modules
 
     mods = {n: m for n, m in op_modules().items() if hasattr(m, "IN_PLACE_ATTR")}
-    assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv"}
+    assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv", "GatedDeltaRule"}
     for name, mod in mods.items():
         spec = R.specs()[name]
         required = [a for a in spec.attributes if a.default is None]

@@ -38,6 +38,16 @@ def test_manifest_declares_conv_and_recurrent_pools(case):
     assert kinds["conv"].channels == 2 * 2 * 16 + 4 * 8 and kinds["conv"].width == 3
 
 
+def test_onnxruntime_target_runs_the_recurrence_in_linear_attention(case):
+    """The onnxruntime target lowers each graphkiln.GatedDeltaRule to com.microsoft.LinearAttention
+    (export.lowering.ort_gated_delta); test_parity.py holds it to transformers."""
+    import onnx
+
+    graph = onnx.load(str(case.artifact / "decoder.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("LinearAttention") == 3 and "GatedDeltaRule" not in ops
+
+
 def test_chunked_prefill_through_the_scheduler_matches_transformers(case):
     """Prompts longer than a scheduler step (8 tokens) are prefilled over several steps while the
     other request decodes: the conv and recurrent states carry across the chunks."""

@@ -35,19 +35,26 @@ def test_manifest_describes_the_model(case):
     g = m.graph("decoder")
     assert (case.artifact / g.file).is_file()
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    conv_layers = [i for i, t in enumerate(types) if t == "conv"]
-    attn_layers = [i for i, t in enumerate(types) if t != "conv"]
+    # a gated-delta-net layer (linear_attention) holds a conv state and a recurrent state
+    conv_layers = [i for i, t in enumerate(types) if t in ("conv", "linear_attention")]
+    recurrent_layers = [i for i, t in enumerate(types) if t == "linear_attention"]
+    attn_layers = [i for i, t in enumerate(types) if i not in conv_layers]
     past = [t for t in g.inputs if t.role in ("past_key", "past_value")]
     assert sorted({t.layer for t in past}) == attn_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert all(t.shape == ("batch", cfg.num_key_value_heads, "cache_len", head_dim) for t in past)
     conv = [t for t in g.inputs if t.role == "conv_state"]
     assert sorted(t.layer for t in conv) == conv_layers
-    # one kv state spec per distinct window plus one conv spec, together covering every layer once
-    layers = sorted(l for s in m.states for l in s.layers)
-    assert layers == list(range(cfg.num_hidden_layers))
+    recurrent = [t for t in g.inputs if t.role == "recurrent_state"]
+    assert sorted(t.layer for t in recurrent) == recurrent_layers
+    # one kv state spec per distinct window plus conv (and recurrent) specs, together covering every
+    # layer once per kind
+    for kind, want in (("kv", attn_layers), ("conv", conv_layers), ("recurrent", recurrent_layers)):
+        assert sorted(l for s in m.states if s.kind == kind for l in s.layers) == want
+    assert sorted(set(attn_layers) | set(conv_layers)) == list(range(cfg.num_hidden_layers))
     assert all(s.max_seq_len == case.max_seq_len for s in m.states if s.kind == "kv")
-    assert {s.kind for s in m.states} == ({"kv", "conv"} if conv_layers else {"kv"})
+    assert {s.kind for s in m.states} == {"kv"} | ({"conv"} if conv_layers else set()) | (
+        {"recurrent"} if recurrent_layers else set())
 
 
 def test_state_specs_follow_sliding_windows(tiny):

@@ -22,8 +22,9 @@ from graphkiln.runtime import Engine, GenerationConfig
 from reference import ATOL, forward_logits, greedy, max_abs
 
 BOTH = "onnxruntime,tensorrt"
-# conv + attention + MoE (interleaved experts for onnxruntime), and mixed sliding windows
-CASES = ("lfm2_moe", "qwen3_mixed_sliding")
+# conv + attention + MoE (interleaved experts for onnxruntime), mixed sliding windows, and gated
+# delta nets (conv and recurrent pools, both in place in the tensorrt graph)
+CASES = ("lfm2_moe", "qwen3_mixed_sliding", "qwen3_5")
 STEPS = 24
 
 

@@ -34,7 +34,8 @@ from graphkiln.plugins_trt import rules
 from graphkiln.plugins_trt.kernels import aot
 
 OPS = tuple(sorted(specs()))
-KERNEL_MODULES = {"Attention": "attention", "MoE": "moe", "ShortConv": "short_conv"}
+KERNEL_MODULES = {"Attention": "attention", "MoE": "moe", "ShortConv": "short_conv", "GatedDeltaRule": "gated_delta"}
+IN_PLACE_OPS = ["Attention", "ShortConv", "GatedDeltaRule"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ def test_generated_functions_bind_as_tensorrt_calls_them(name):
 B, S_PREFILL, NQ, NKV, D, CACHE = 3, 7, 4, 2, 16, 32
 CH, K, SLOTS = 8, 4, 5
 T, H, E, I = 6, 16, 4, 8
+GHK, GHV, GDK, GDV = 2, 4, 8, 6  # GatedDeltaRule: q/k heads, value heads, key / value head dims
 
 
 def _attention_shapes(b, s):
@@ -260,6 +262,16 @@ def _short_conv_shapes(b, s):
             "seq_lens": (b,)}
 
 
+def _gated_delta_shapes(b, s):
+    return {"q": (b, s, GHK, GDK), "k": (b, s, GHK, GDK), "v": (b, s, GHV, GDV), "g": (b, s, GHV),
+            "beta": (b, s, GHV), "state_pool": (SLOTS, GHV, GDK, GDV), "slot_idx": (b,), "seq_lens": (b,)}
+
+
+def _state_shapes(name, b, s):
+    return {"Attention": _attention_shapes, "ShortConv": _short_conv_shapes,
+            "GatedDeltaRule": _gated_delta_shapes}[name](b, s)
+
+
 def _moe_shapes(t):
     return {"hidden": (t, H), "router_logits": (t, E), "gate_up": (E, 2 * I, H), "down": (E, H, I), "expert_bias": (E,)}
 
@@ -267,7 +279,7 @@ def _moe_shapes(t):
 def _attrs(name, mode=None):
     base = {"Attention": {"num_heads": NQ, "num_kv_heads": NKV, "window": 0, "scale": D ** -0.5},
             "MoE": {"top_k": 2, "scoring": 0, "normalize": 1, "norm_eps": 1e-6, "routed_scaling": 1.0},
-            "ShortConv": {"channels": CH}}[name]
+            "ShortConv": {"channels": CH}, "GatedDeltaRule": {"scale": GDK ** -0.5}}[name]
     if mode is not None:
         base[_defn(name).in_place.attr] = mode
     return base
@@ -278,6 +290,8 @@ SHAPE_CASES = [
     ("Attention", "prefill", _attention_shapes(2, S_PREFILL)),
     ("ShortConv", "decode", _short_conv_shapes(B, 1)),
     ("ShortConv", "prefill", _short_conv_shapes(2, S_PREFILL)),
+    ("GatedDeltaRule", "decode", _gated_delta_shapes(B, 1)),
+    ("GatedDeltaRule", "prefill", _gated_delta_shapes(2, S_PREFILL)),
     ("MoE", "decode", _moe_shapes(B)),
     ("MoE", "prefill", _moe_shapes(2 * S_PREFILL)),
 ]
@@ -305,13 +319,17 @@ def test_new_rows_mode_outputs_match_the_ops_fake(name, phase, shapes):
     assert out[0].like == d.activation_input == out[0].dtype_from
 
 
-@pytest.mark.parametrize("name,phase,shapes", SHAPE_CASES[:4], ids=[f"{n}-{p}" for n, p, _ in SHAPE_CASES[:4]])
+IN_PLACE_SHAPE_CASES = [c for c in SHAPE_CASES if c[0] in IN_PLACE_OPS]
+
+
+@pytest.mark.parametrize("name,phase,shapes", IN_PLACE_SHAPE_CASES, ids=[f"{n}-{p}" for n, p, _ in IN_PLACE_SHAPE_CASES])
 def test_in_place_mode_aliases_state_outputs_to_their_inputs(name, phase, shapes):
     d = _defn(name)
     attrs = _attrs(name, 1)
     out = rules.output_rules(d, shapes, attrs)
     aliased = {r.name: r.aliased_to for r in out if r.aliased_to}
-    assert sorted(aliased.values()) == sorted({"Attention": ["past_key", "past_value"], "ShortConv": ["state_pool"]}[name])
+    assert sorted(aliased.values()) == sorted({"Attention": ["past_key", "past_value"], "ShortConv": ["state_pool"],
+                                               "GatedDeltaRule": ["state_pool"]}[name])
     for r in out:
         if r.aliased_to:
             assert r.shape == shapes[r.aliased_to] and r.dtype_from == r.aliased_to and r.like is None
@@ -323,7 +341,7 @@ def test_in_place_mode_aliases_state_outputs_to_their_inputs(name, phase, shapes
     assert not any(rules.aliased_outputs(d, _attrs(name, 0)))
 
 
-@pytest.mark.parametrize("name", ["Attention", "ShortConv"])
+@pytest.mark.parametrize("name", IN_PLACE_OPS)
 def test_in_place_attribute_is_the_ops_own(name):
     mod = op_modules()[name]
     d = _defn(name)
@@ -333,12 +351,12 @@ def test_in_place_attribute_is_the_ops_own(name):
     assert _defn("MoE").in_place is None
 
 
-@pytest.mark.parametrize("name", ["Attention", "ShortConv"])
+@pytest.mark.parametrize("name", IN_PLACE_OPS)
 def test_a_spec_without_the_mode_attribute_has_new_rows_outputs(name):
     spec = specs()[name]
     old = dataclasses.replace(spec, attributes=tuple(a for a in spec.attributes if a.name != _defn(name).in_place.attr))
     d = rules.plugin_def(old, _module_name(name))
-    shapes = _attention_shapes(2, 3) if name == "Attention" else _short_conv_shapes(2, 3)
+    shapes = _state_shapes(name, 2, 3)
     assert d.in_place is None
     assert all(r.aliased_to is None for r in rules.output_rules(d, shapes, _attrs(name)))
     with pytest.raises(ValueError):
@@ -354,7 +372,7 @@ def _module_taking(attr, takes):
     return SimpleNamespace(launch_plan=lambda x_shape: None, __name__="m")
 
 
-@pytest.mark.parametrize("name", ["Attention", "ShortConv"])
+@pytest.mark.parametrize("name", IN_PLACE_OPS)
 @pytest.mark.parametrize("mode", [0, None])
 def test_a_kernel_that_only_writes_in_place_refuses_the_new_rows_mode(name, mode):
     """A kernel module whose launch_plan does not take the mode attribute writes the state in
@@ -365,7 +383,7 @@ def test_a_kernel_that_only_writes_in_place_refuses_the_new_rows_mode(name, mode
     assert rules.kernel_modes(d, only_in_place) == (1,)
     with pytest.raises(ValueError, match=f"{d.in_place.attr}=1"):
         rules.check_kernel_mode(d, attrs, only_in_place)
-    shapes = _attention_shapes(1, 1) if name == "Attention" else _short_conv_shapes(1, 1)
+    shapes = _state_shapes(name, 1, 1)
     with pytest.raises(ValueError, match=f"{d.in_place.attr}=1"):
         rules.launch_plan(d, attrs, shapes, aot.ceil_div, module=only_in_place)
     rules.check_kernel_mode(d, _attrs(name, 1), only_in_place)
@@ -375,10 +393,10 @@ def test_a_kernel_that_only_writes_in_place_refuses_the_new_rows_mode(name, mode
     assert rules.kernel_modes(_defn("MoE"), both) == (0,)
 
 
-@pytest.mark.parametrize("name", ["Attention", "ShortConv"])
+@pytest.mark.parametrize("name", IN_PLACE_OPS)
 @pytest.mark.parametrize("mode", [2, -1, "1", True])
 def test_in_place_mode_must_be_0_or_1(name, mode):
-    shapes = _attention_shapes(1, 1) if name == "Attention" else _short_conv_shapes(1, 1)
+    shapes = _state_shapes(name, 1, 1)
     with pytest.raises(ValueError):
         rules.output_rules(_defn(name), shapes, _attrs(name, mode))
 
@@ -407,9 +425,11 @@ def test_shape_rules_only_pass_symbolic_dims_on(name, phase, shapes, mode):
 
 
 @pytest.mark.parametrize("name,bad", [("Attention", {"q": (2, 3)}), ("Attention", {"past_key": (2, 2, 4)}),
-                                      ("ShortConv", {"state_pool": (4, 8)}), ("Attention", {"missing": None})])
+                                      ("ShortConv", {"state_pool": (4, 8)}), ("Attention", {"missing": None}),
+                                      ("GatedDeltaRule", {"state_pool": (4, 8, 6)}),
+                                      ("GatedDeltaRule", {"v": (2, 3, 24)})])
 def test_wrong_ranks_or_missing_shapes_are_refused(name, bad):
-    shapes = _attention_shapes(2, 3) if name == "Attention" else _short_conv_shapes(2, 3)
+    shapes = _state_shapes(name, 2, 3)
     if "missing" in bad:
         del shapes["cos_cache"]
     else:
@@ -439,7 +459,8 @@ def test_autotune_offers_each_activation_dtype_with_ids_and_tables_fixed(name):
     combos = _expand(rules.autotune_types(d))
     assert len(combos) == len(rules.ACTIVATION_DTYPES)
     fixed = {"Attention": {"position_ids": "INT64", "cos_cache": "FP32", "sin_cache": "FP32", "lookahead": "INT64"},
-             "ShortConv": {"slot_idx": "INT64", "seq_lens": "INT64"}, "MoE": {"expert_bias": "FP32"}}[name]
+             "ShortConv": {"slot_idx": "INT64", "seq_lens": "INT64"}, "MoE": {"expert_bias": "FP32"},
+             "GatedDeltaRule": {"g": "FP32", "beta": "FP32", "slot_idx": "INT64", "seq_lens": "INT64"}}[name]
     positions = list(d.inputs) + [f"out:{o}" for o in d.outputs]
     for act, combo in zip(rules.ACTIVATION_DTYPES, combos):
         want = {p: fixed.get(p, TRT[act]) for p in positions}
@@ -461,14 +482,16 @@ def test_unsupported_trt_dtypes_are_refused(member):
 
 
 def _tiny_hybrid_decoder(dtype, expert_bias):
-    from graphkiln.models.config import DecoderConfig, LayerSpec, MoEConfig, RopeConfig
+    from graphkiln.models.config import DecoderConfig, GatedDeltaConfig, LayerSpec, MoEConfig, RopeConfig
     from graphkiln.models.decoder import DecoderForExport
 
     cfg = DecoderConfig(
-        architecture="test", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+        architecture="test", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
         num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(10000.0), max_position_embeddings=64,
-        tie_word_embeddings=False, layers=(LayerSpec("attention", ffn="moe"), LayerSpec("conv")),
-        moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=8, expert_bias=expert_bias), conv_kernel=3)
+        tie_word_embeddings=False, layers=(LayerSpec("attention", ffn="moe"), LayerSpec("conv"),
+                                           LayerSpec("gated_delta")),
+        moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=8, expert_bias=expert_bias), conv_kernel=3,
+        gated_delta=GatedDeltaConfig(num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=4, conv_kernel=4))
     inv = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     model = DecoderForExport(cfg, {"default": inv}, {"default": 1.0})
     gen = torch.Generator().manual_seed(0)
@@ -509,9 +532,12 @@ def test_autotune_dtypes_are_what_the_exported_model_feeds_the_ops(dtype, expert
     pos = torch.arange(s).expand(b, s).contiguous()
     past = torch.zeros(b, cfg.num_kv_heads, 4, cfg.head_dim, dtype=dtype)
     pool = torch.zeros(3, cfg.hidden_size, cfg.conv_kernel - 1, dtype=dtype)
+    gd = cfg.gated_delta
+    gd_pools = [torch.zeros(3, *st.shape, dtype=dtype) for st in cfg.slot_states(2)]  # conv, recurrent
+    assert gd.conv_dim == gd_pools[0].shape[1]
     with torch.no_grad(), Record():
         model(ids, pos, torch.zeros(b, 1, dtype=torch.int64), torch.full((b,), s), torch.tensor([2, 0]), past,
-              past.clone(), pool)
+              past.clone(), pool, *gd_pools)
     assert set(seen) == set(OPS)
     act = str(dtype).removeprefix("torch.")
     for name, got in seen.items():
@@ -520,6 +546,11 @@ def test_autotune_dtypes_are_what_the_exported_model_feeds_the_ops(dtype, expert
             # the kernel reads an fp32 routing table; a model with a learned bias passes it in
             # the model dtype (the exporter's zeros for a model without one are fp32), so the
             # TensorRT lowering inserts a Cast to fp32 (tests/test_trt_target.py checks it)
+            assert got[:4] == want[:4] and got[5:] == want[5:] and got[4] == act
+            continue
+        if name == "GatedDeltaRule" and dtype != torch.float32:
+            # g is computed in fp32 (what the kernel reads); beta in the model dtype, which the
+            # TensorRT lowering casts to fp32 (tests/test_trt_target.py)
             assert got[:4] == want[:4] and got[5:] == want[5:] and got[4] == act
             continue
         assert got == want, name
@@ -608,6 +639,7 @@ def _kernel_module(name):
 def _plan_shapes(name, phase):
     return {"Attention": {"decode": _attention_shapes(2, 1), "prefill": _attention_shapes(2, 5)},
             "ShortConv": {"decode": _short_conv_shapes(2, 1), "prefill": _short_conv_shapes(2, 5)},
+            "GatedDeltaRule": {"decode": _gated_delta_shapes(2, 1), "prefill": _gated_delta_shapes(2, 5)},
             "MoE": {"decode": _moe_shapes(2), "prefill": _moe_shapes(20)}}[name][phase]
 
 
@@ -639,6 +671,8 @@ STATIC = {
     "MoE": {("hidden", 1), ("router_logits", 1), ("gate_up", 0), ("gate_up", 1), ("gate_up", 2), ("down", 0),
             ("down", 1), ("down", 2), ("expert_bias", 0)},
     "ShortConv": {("x", 2), ("weight", 0), ("weight", 1), ("bias", 0), ("state_pool", 1), ("state_pool", 2)},
+    "GatedDeltaRule": {("q", 2), ("q", 3), ("k", 2), ("k", 3), ("v", 2), ("v", 3), ("g", 2), ("beta", 2),
+                       ("state_pool", 1), ("state_pool", 2), ("state_pool", 3)},
 }
 
 PLAN_CASES = [(n, p) for n in OPS for p in ("decode", "prefill")]
@@ -855,7 +889,7 @@ def _inputs(shapes, dtype, gen):
             out[n] = torch.tensor([4, 1])[: s[0]].to(torch.int64)
         elif n == "seq_lens":
             out[n] = torch.full((s[0],), 1, dtype=torch.int64)
-        elif n in ("cos_cache", "sin_cache", "expert_bias"):
+        elif n in ("cos_cache", "sin_cache", "expert_bias", "g", "beta"):
             out[n] = torch.randn(s, generator=gen)
         else:
             out[n] = (torch.randn(s, generator=gen) * 0.5).to(dtype)

@@ -123,6 +123,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     from graphkiln.export.external_data import rewrite_external_data
     from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
     from graphkiln.export.lowering.ort_fusions import fuse_skip_rmsnorm, pack_gqa_qkv
+    from graphkiln.export.lowering.ort_gated_delta import lower_gated_delta_for_onnxruntime
     from graphkiln.export.lowering.ort_moe import lower_moe_for_onnxruntime
     from graphkiln.export.lowering.quantize import QUANT_BITS, quantize_linear_weights
 
@@ -138,10 +139,12 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
                 tensor.data_location = onnx.TensorProto.DEFAULT
                 del tensor.external_data[:]
     graph, attention = lower_attention_for_onnxruntime(model, graph)
+    recurrences = lower_gated_delta_for_onnxruntime(model)
     packed = pack_gqa_qkv(model)
     skip_norms = fuse_skip_rmsnorm(model)
     say(f"      {attention} attention -> GroupQueryAttention ({packed} with packed q/k/v), "
-        f"{skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization")
+        f"{skip_norms} residual Add+RMSNorm -> SkipSimplifiedLayerNormalization"
+        + (f", {recurrences} gated delta rule -> LinearAttention" if recurrences else ""))
     quantized = 0
     if quant:  # before the MoE lowering: the router layers are found from graphkiln.MoE nodes
         t0 = time.perf_counter()
@@ -156,7 +159,7 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
     if rewritten or quantized:  # weights changed: a new data file, streamed from the old one
         rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None)
-    elif attention or skip_norms:  # only nodes changed: the initializers still point into the same data file
+    elif attention or skip_norms or recurrences:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))
     left = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     del model

@@ -61,13 +61,16 @@ ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 # the rotary tables fp32 in the exported graph, constants or (rope_layout 1) per-token values
 # gathered from them (graphkiln.export.onnx_export.decoder_io, models.decoder);
 # MoE's expert_bias is an fp32 routing table (the kernel reads it as fp32, as the reference
-# does; the exporter writes fp32 zeros when a model has no bias). Every other input and output
-# follows the activation dtype. The kernels' ``fixed_dtypes`` must agree (tested).
+# does; the exporter writes fp32 zeros when a model has no bias); GatedDeltaRule's g and beta are
+# fp32 (the model computes g in fp32 and beta in its dtype; the TensorRT lowering casts beta,
+# exactly, as the reference reads both in fp32). Every other input and output follows the
+# activation dtype. The kernels' ``fixed_dtypes`` must agree (tested).
 FIXED_INPUT_DTYPES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "Attention": MappingProxyType({"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32",
                                    "lookahead": "int64"}),
     "MoE": MappingProxyType({"expert_bias": "float32"}),
     "ShortConv": MappingProxyType({"slot_idx": "int64", "seq_lens": "int64"}),
+    "GatedDeltaRule": MappingProxyType({"g": "float32", "beta": "float32", "slot_idx": "int64", "seq_lens": "int64"}),
 })
 
 # tensorrt.plugin.AutoTuneCombination type names ("FP32"/"FP16", else trt.DataType member names).
@@ -93,7 +96,8 @@ class InPlace:
 
 # The in-place attribute when an op module does not name it (``IN_PLACE_ATTR``): the lead's
 # design for issue 11. The op module's own ``IN_PLACE_ATTR`` wins.
-IN_PLACE_ATTRS: Mapping[str, str] = MappingProxyType({"Attention": "kv_update", "ShortConv": "state_update"})
+IN_PLACE_ATTRS: Mapping[str, str] = MappingProxyType({"Attention": "kv_update", "ShortConv": "state_update",
+                                                     "GatedDeltaRule": "state_update"})
 
 # The mode a kernel module implements when its launch_plan does not take the attribute: it
 # writes the rows into the aliased cache/pool and returns nothing else (TensorRT-target graphs
@@ -352,6 +356,10 @@ def _new_rows(d: PluginDef, shapes: Mapping[str, Sequence], state: str) -> tuple
         x = _rank(d, shapes, "x", 3)
         pool = _rank(d, shapes, state, 3)
         return (x[0], pool[1], pool[2])
+    if d.name == "GatedDeltaRule":  # v [B, S, Hv, Dv], pool [slots, Hv, Dk, Dv] -> [B, Hv, Dk, Dv]
+        v = _rank(d, shapes, "v", 4)
+        pool = _rank(d, shapes, state, 4)
+        return (v[0], pool[1], pool[2], pool[3])
     raise ValueError(f"{d.name}: no new-rows rule for state input {state}")
 
 

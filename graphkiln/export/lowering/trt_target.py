@@ -10,19 +10,22 @@ TensorRT needs differently:
 * every ``graphkiln`` node gets ``aot=1``: the parser builds the plugin from its ahead-of-time
   Triton kernel, so the engine runs without Python (``graphkiln.plugins_trt``);
 * ops with in-place state get their in-place mode (``IN_PLACE_ATTR`` of the op module:
-  Attention ``kv_update=1``, ShortConv ``state_update=1``), so their state outputs are the
+  Attention ``kv_update=1``, ShortConv and GatedDeltaRule ``state_update=1``), so their state outputs are the
   whole cache / pool, which the plugin aliases to the state input and writes in place:
     - ``new_key.i`` / ``new_value.i`` [batch, kv_heads, seq, head_dim] become
       ``present_key.i`` / ``present_value.i`` [batch, kv_heads, cache_len, head_dim] (the shape
       of ``past_key.i``; manifest state update ``"in_place"``, the contract of the onnxruntime
       target's GroupQueryAttention);
     - ``new_conv_state.i`` [batch, channels, width] becomes the whole pool
-      [slots, channels, width] (the shape of ``conv_state.i``; conv state update ``"in_place"``).
+      [slots, channels, width] (the shape of ``conv_state.i``; conv state update ``"in_place"``);
+    - ``new_recurrent_state.i`` [batch, heads, rows, cols] becomes the whole pool
+      [slots, heads, rows, cols] (the shape of ``recurrent_state.i``; recurrent state update
+      ``"in_place"``).
   The runtime binds each of these outputs to the buffer it feeds as the matching input;
 * inputs a plugin reads in fp32 whatever the model dtype (``FP32_INPUTS``: MoE's routing bias,
   which a model with a learned bias stores in the model dtype; Attention's cos/sin, tables or,
-  with ``rope_layout=1``, per-token values the graph computes) get a Cast to fp32 where they
-  are not fp32 already (exact: the op's reference rounds them to the activation dtype anyway,
+  with ``rope_layout=1``, per-token values the graph computes; GatedDeltaRule's g and beta, the
+  latter computed in the model dtype) get a Cast to fp32 where they are not fp32 already (exact: the op's reference rounds them to the activation dtype anyway,
   and so does the kernel after reading them).
 
 Nothing else changes: the same initializers (the data file is untouched), the model-local
@@ -46,11 +49,12 @@ from graphkiln.ops import DOMAIN, op_modules, specs
 TRT_OPSET = 23  # RMSNormalization (native in the parser) is an opset-23 op; the parser reads opsets 9-24
 
 # op -> inputs its TensorRT plugin's kernel reads as fp32 (graphkiln.plugins_trt.rules.FIXED_INPUT_DTYPES)
-FP32_INPUTS = {"MoE": ("expert_bias",), "Attention": ("cos_cache", "sin_cache")}
+FP32_INPUTS = {"MoE": ("expert_bias",), "Attention": ("cos_cache", "sin_cache"), "GatedDeltaRule": ("g", "beta")}
 
 # state output role -> (its role in the lowered graph, its name prefix there)
 _IN_PLACE_OUTPUTS = {"new_key": ("present_key", "present_key"), "new_value": ("present_value", "present_value"),
-                     "new_conv_state": ("new_conv_state", "new_conv_state")}
+                     "new_conv_state": ("new_conv_state", "new_conv_state"),
+                     "new_recurrent_state": ("new_recurrent_state", "new_recurrent_state")}
 
 
 def _set_int(node: onnx.NodeProto, name: str, value: int) -> None:
@@ -99,7 +103,7 @@ def lower_for_tensorrt(out_dir: Path, graph: GraphSpec) -> tuple[GraphSpec, int]
             continue
         _set_int(node, attr, 1)
         for i, (out_name, src) in enumerate(zip(spec.outputs, spec.output_dtypes_from)):
-            if src == spec.inputs[0]:  # follows the activations: not a state output
+            if src == spec.output_dtypes_from[0]:  # follows the activations (q, x, v): not a state output
                 continue
             old, state_in = node.output[i], node.input[spec.inputs.index(src)]
             old_spec, in_spec = outputs.get(old), inputs.get(state_in)
