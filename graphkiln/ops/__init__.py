@@ -1,7 +1,9 @@
 """graphkiln's custom ops: one definition each, every target derived from it.
 
 This package sits below export, runtime and plugins_trt, which all import it (never each
-other) for an op's identity. Each op module (``attention``, ``moe``, ``short_conv``) holds:
+other) for an op's identity. Each op module (``attention``, ``moe``, ``short_conv``,
+``gated_delta``; ``ssm_scan`` is defined and tested but not in ``OP_MODULES`` until a family
+uses it) holds:
   * ``SPEC`` — name, domain, version, inputs, outputs, attributes and the TensorRT plugin
     identity (torch-free, so the runtime can list known ops without torch);
   * ``reference`` — the torch math (torch imported lazily), which export registers as the

@@ -4,9 +4,10 @@ Two KV contracts (manifest state ``update``): ``scatter_rows`` graphs return the
 (``new_key.i``) and this class stores them; ``in_place`` graphs (the onnxruntime target's
 GroupQueryAttention, the tensorrt target's Attention with ``kv_update=1``) return
 ``present_key.i``, which is bound to the same pool buffer as ``past_key.i`` so the graph writes
-its rows there itself. Conv state likewise: ``new_conv_state.i`` is either the rows
-(``slot_rows``, stored here at ``slot_idx``) or the whole pool (``in_place``, the tensorrt
-target's ShortConv with ``state_update=1``), bound to the ``conv_state.i`` buffer.
+its rows there itself. Slot states (conv, recurrent) likewise: ``new_conv_state.i`` /
+``new_recurrent_state.i`` is either the rows (``slot_rows``, stored here at ``slot_idx``) or the
+whole pool (``in_place``, the tensorrt target's ShortConv / GatedDeltaRule with
+``state_update=1``), bound to the ``conv_state.i`` / ``recurrent_state.i`` buffer.
 
 In place on onnxruntime (measured, onnxruntime 1.32 CPU): the tensorrt target's functions end
 in ScatterElements / ScatterND, which skip their input-to-output copy when both are one buffer,
