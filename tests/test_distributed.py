@@ -26,9 +26,10 @@ from graphkiln.runtime import Engine, GenerationConfig
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed (pip install 'graphkiln[distributed]')")
 
-# (checkpoint, stages): the conv/attention hybrid (conv state rows are cleared on claim and moved
-# on release: the slot replay matters most for them; the dense model runs in the kill test)
-CASES = [("lfm2", 2)]
+# (checkpoint, stages): the conv/attention hybrid and the gated-delta-net one (conv and recurrent
+# state rows are cleared on claim and moved on release: the slot replay matters most for them; the
+# dense model runs in the kill test)
+CASES = [("lfm2", 2), ("qwen3_5", 2)]
 
 
 @pytest.fixture(scope="module")
