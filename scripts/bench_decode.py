@@ -128,8 +128,10 @@ def weights_per_token(art: Path) -> int:
 
     m = Manifest.read(art).model
     itemsize = 2 if m.dtype in ("fp16", "bf16") else 4
+    if m.quant:  # the embedding is blocks too (GatherBlockQuantized): codes plus one fp scale per block
+        itemsize = {"int4": 0.5, "int8": 1.0}[m.quant] + itemsize / (m.quant_block_size or 32)
     data = sum(f.stat().st_size for f in art.glob("*.onnx.data"))
-    return data - m.vocab_size * m.hidden_size * itemsize
+    return int(data - m.vocab_size * m.hidden_size * itemsize)
 
 
 def run_model(model: str, args, work: Path) -> dict:
