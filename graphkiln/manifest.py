@@ -74,6 +74,7 @@ CONV_ROLES = ("conv_state", "new_conv_state")
 RECURRENT_ROLES = ("recurrent_state", "new_recurrent_state")
 # per-slot states (conv, recurrent): the input role -> the output role that updates it
 SLOT_STATE_ROLES = {"conv_state": "new_conv_state", "recurrent_state": "new_recurrent_state"}
+SLOT_STATE_INPUTS = {out: inp for inp, out in SLOT_STATE_ROLES.items()}  # the other way round
 INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
@@ -279,8 +280,7 @@ class GraphSpec:
         inputs = {(t.role, t.layer) for t in self.inputs}
         for i, t in enumerate(self.outputs):
             # a layer's new rows go into (or are written in place over) the state the graph read
-            slot_inputs = {out: inp for inp, out in SLOT_STATE_ROLES.items()}
-            needs = slot_inputs.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
+            needs = SLOT_STATE_INPUTS.get(t.role, t.role.replace("new_", "past_").replace("present_", "past_"))
             if t.layer is not None and (needs, t.layer) not in inputs:
                 raise _FieldError(("outputs", i), f"{t.name!r} has no matching {needs} input for layer {t.layer}")
             # the runtime allocates the other outputs by their shape; these it binds to a state buffer

@@ -1,4 +1,5 @@
-"""transformers reference computations shared by the test files (fp32, no cache tricks)."""
+"""transformers reference computations shared by the test files (fp32, no cache tricks), and the
+closeness criterion the custom-op tests share."""
 
 from __future__ import annotations
 
@@ -48,3 +49,19 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def max_abs(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+
+
+def _float64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):  # through torch: numpy has no bfloat16
+        return x.detach().cpu().to(torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def assert_close(got, want, rel: float = 1e-5, what: str = "") -> None:
+    """max |got - want| <= rel * max |want| (the ``atol relative to output scale`` criterion), got finite."""
+    got, want = _float64(got), _float64(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-6)
+    err = float(np.abs(got - want).max()) if want.size else 0.0
+    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * output scale {scale:.3g}"

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from graphkiln.export.custom_ops import registry as R
 from graphkiln.ops.spec import DOMAIN
+from reference import assert_close
 
 OPSET = 23
 FACES = ("torch", "onnx")
@@ -61,16 +62,6 @@ def _randn(gen: torch.Generator, *shape, scale: float = 1.0, dtype=torch.float32
 
 def _np(t):
     return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-
-
-def assert_close(got, want, rel: float = 1e-5, what: str = "") -> None:
-    """max |got - want| <= rel * max |want| (the ``atol relative to output scale`` criterion)."""
-    got = np.asarray(_np(got), dtype=np.float64)
-    want = np.asarray(_np(want), dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-6)
-    err = float(np.abs(got - want).max()) if want.size else 0.0
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * output scale {scale:.3g}"
 
 
 class OpModule(torch.nn.Module):

@@ -20,6 +20,7 @@ import torch
 
 from graphkiln.ops import gated_delta as GD
 from graphkiln.ops.spec import DOMAIN
+from reference import assert_close
 
 OPSET = 23
 FACES = ("torch", "onnx")
@@ -33,17 +34,6 @@ def _gen(seed: int) -> torch.Generator:
 
 def _np(t):
     return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-
-
-def assert_close(got, want, rel: float = 1e-5, what: str = "") -> None:
-    """max |got - want| <= rel * max |want| (the ``atol relative to output scale`` criterion)."""
-    got = np.asarray(_np(got), dtype=np.float64)
-    want = np.asarray(_np(want), dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-6)
-    err = float(np.abs(got - want).max()) if want.size else 0.0
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * output scale {scale:.3g}"
 
 
 def make_inputs(gen, batch: int, seq: int, hk: int = HK, hv: int = HV):

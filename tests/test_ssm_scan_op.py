@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from graphkiln.ops import short_conv, ssm_scan
 from graphkiln.ops.spec import DOMAIN
+from reference import assert_close
 
 OPSET = 23
 FACES = ("torch", "onnx")
@@ -38,16 +39,6 @@ def _gen(seed: int) -> torch.Generator:
 
 def _randn(gen, *shape, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-
-def assert_close(got, want, rel: float = 1e-5, what: str = "") -> None:
-    """max |got - want| <= rel * max |want| (tests/test_custom_ops.py's criterion)."""
-    got = torch.as_tensor(got).detach().double()
-    want = want.detach().double()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-6)
-    err = float((got - want).abs().max()) if want.numel() else 0.0
-    assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * output scale {scale:.3g}"
 
 
 def scan_inputs(gen, batch: int, seq: int, dtype=torch.float32, seq_lens=None, index_dtype=torch.int64):

@@ -267,6 +267,27 @@ def _write_all(f, chunk) -> int:
     return done
 
 
+def read_initializer(init, base_dir) -> np.ndarray:
+    """An initializer as an array, read from its external-data file (relative to ``base_dir``)
+    if it is not loaded: only its own bytes, so a pass can visit weights one at a time."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if init.data_location != TensorProto.EXTERNAL or init.HasField("raw_data"):
+        return numpy_helper.to_array(init)
+    if base_dir is None:
+        raise ValueError(f"initializer {init.name!r} is stored as external data: pass base_dir")
+    info = {e.key: e.value for e in init.external_data}
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
+    count = int(np.prod(init.dims))
+    offset = int(info.get("offset", 0))
+    if "length" in info and int(info["length"]) != count * dtype.itemsize:
+        raise ValueError(f"initializer {init.name!r}: external length {info['length']} does not match its shape")
+    arr = np.fromfile(Path(base_dir) / info["location"], dtype=dtype, count=count, offset=offset)
+    if arr.size != count:
+        raise ValueError(f"initializer {init.name!r}: external data file is truncated")
+    return arr.reshape(tuple(init.dims))
+
+
 def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_data_name: str | None = None) -> None:
     """Save an ``onnx.ModelProto`` whose main-graph initializers are partly in memory and partly
     still in ``path``'s data file (``<file name>.data``), replacing both files.

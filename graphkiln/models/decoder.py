@@ -120,7 +120,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
 
     def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None):
-        """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them."""
+        """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them, and with
+        partial rotary the identity tables the op gets instead (``DecoderForExport._rope``)."""
         from graphkiln.ops import torch_op
 
         b, s, _ = x.shape
@@ -132,14 +133,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(b, s, self.num_heads, self.head_dim)).view(b, s, -1)
             k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim)).view(b, s, -1)
-        cos, sin, layout = rope_tables
+        cos, sin, layout, identity = rope_tables
         if self.rotary_dim is not None:
             # Partial rotary is applied here and the op gets identity tables (cos 1, sin 0): the op
             # rotates whole heads. Costs a few elementwise ops; an op attribute would save them.
             q = rotate_partial(q.view(b, s, self.num_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
             k = rotate_partial(k.view(b, s, self.num_kv_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
-            cos = torch.ones(cos.shape[0], self.head_dim // 2, dtype=cos.dtype)
-            sin = torch.zeros(sin.shape[0], self.head_dim // 2, dtype=sin.dtype)
+            cos, sin = identity
         if lookahead is None:  # causal tokens: one constant zero (folded by every target)
             lookahead = torch.zeros(1, 1, dtype=torch.int64)
         out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, lookahead,
@@ -361,19 +361,25 @@ class DecoderForExport(nn.Module):
         return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
 
     def _rope(self, flavor: str, rope_position_ids):
-        """(cos, sin, rope_layout) for graphkiln.Attention: the tables (layout 0), or with M-RoPE
-        each token's values (layout 1), frequency section j taken at stream j's position, computed
-        once per step for every layer."""
+        """(cos, sin, rope_layout, identity) for the attention layers: the tables (layout 0), or
+        with M-RoPE each token's values (layout 1), frequency section j taken at stream j's
+        position, computed once per step for every layer. ``identity``: with partial rotary (the
+        layers rotate their heads' first dims themselves), cos 1 / sin 0 tables of the whole head
+        for graphkiln.Attention, one pair per flavor shared by every layer; else None."""
         cos, sin = self.rope_tables(flavor)
+        identity = None
+        if self.cfg.rotary_dim and self.cfg.rotary_dim < self.cfg.head_dim:
+            half = self.cfg.head_dim // 2
+            identity = (torch.ones(cos.shape[0], half, dtype=cos.dtype), torch.zeros(sin.shape[0], half, dtype=sin.dtype))
         if rope_position_ids is None:
-            return cos, sin, 0
+            return cos, sin, 0, identity
         sections = list(self.cfg.mrope_section)
 
         def per_token(table):
             streams = table[rope_position_ids]  # [3, B, S, D/2]
             return torch.cat([part[j % 3] for j, part in enumerate(streams.split(sections, dim=-1))], dim=-1)
 
-        return per_token(cos), per_token(sin), 1
+        return per_token(cos), per_token(sin), 1, identity
 
     def state_arity(self, i: int) -> int:
         return 2 if self.cfg.layers[i].mixer == "attention" else len(self.cfg.slot_states(i))

@@ -37,6 +37,7 @@ runtimes that have neither.
 
 from __future__ import annotations
 
+from graphkiln.ops import slot_state
 from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 SPEC = CustomOpSpec(
@@ -147,17 +148,11 @@ def reference(q, k, v, g, beta, state_pool, slot_idx, seq_lens, scale, state_upd
     y = torch.where(valid.unsqueeze(1).unsqueeze(-1), y, torch.zeros((), dtype=y.dtype))
     y = y.transpose(1, 2).contiguous().to(v.dtype)
     rows = state.to(state_pool.dtype)
-    if state_update:
-        pool = state_pool.clone()
-        pool[slot_idx] = rows
-        return y, pool
-    return y, rows
+    return y, slot_state.new_state(state_pool, slot_idx, rows, state_update)
 
 
 def fake(q, k, v, g, beta, state_pool, slot_idx, seq_lens, scale, state_update=0, qk_l2norm=1):
-    if state_update:
-        return v.new_empty(v.shape), state_pool.new_empty(state_pool.shape)
-    return v.new_empty(v.shape), state_pool.new_empty((v.shape[0],) + tuple(state_pool.shape[1:]))
+    return v.new_empty(v.shape), slot_state.fake_new_state(state_pool, v.shape[0], state_update)
 
 
 def onnx_function(opset: int):

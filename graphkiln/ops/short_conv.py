@@ -20,6 +20,7 @@ the state. slot_idx holds distinct slots.
 
 from __future__ import annotations
 
+from graphkiln.ops import slot_state
 from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 SPEC = CustomOpSpec(
@@ -50,17 +51,11 @@ def reference(x, weight, bias, state_pool, slot_idx, seq_lens, channels, state_u
     width = state_pool.shape[2]
     idx = (seq_lens.unsqueeze(1) + torch.arange(width, device=x.device)).unsqueeze(1).expand(-1, ext.shape[1], -1)
     rows = torch.gather(ext, 2, idx).to(state_pool.dtype)
-    if state_update:
-        pool = state_pool.clone()
-        pool[slot_idx] = rows
-        return y, pool
-    return y, rows
+    return y, slot_state.new_state(state_pool, slot_idx, rows, state_update)
 
 
 def fake(x, weight, bias, state_pool, slot_idx, seq_lens, channels, state_update=0):
-    if state_update:
-        return x.new_empty(x.shape), state_pool.new_empty(state_pool.shape)
-    return x.new_empty(x.shape), state_pool.new_empty((x.shape[0], state_pool.shape[1], state_pool.shape[2]))
+    return x.new_empty(x.shape), slot_state.fake_new_state(state_pool, x.shape[0], state_update)
 
 
 def onnx_function(opset: int):

@@ -43,6 +43,7 @@ or a fused kernel — so the portable graph carries it whole, with the standard-
 
 from __future__ import annotations
 
+from graphkiln.ops import slot_state
 from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 
 # The largest finite float32: dt_max's default, a no-op clamp on every finite value (as inf is).
@@ -92,18 +93,12 @@ def reference(x, dt, A, Bm, Cm, D, dt_bias, state_pool, slot_idx, seq_lens, stat
         y[:, t] = (state @ c_heads[:, t, :, :, None]).squeeze(3)
     y = torch.where(pad4, y + D.float()[:, None] * x.float(), 0.0).to(x.dtype)
     rows = state.to(state_pool.dtype)
-    if state_update:
-        pool = state_pool.clone()
-        pool[slot_idx] = rows
-        return y, pool
-    return y, rows
+    return y, slot_state.new_state(state_pool, slot_idx, rows, state_update)
 
 
 def fake(x, dt, A, Bm, Cm, D, dt_bias, state_pool, slot_idx, seq_lens, state_update=0, dt_min=0.0,
          dt_max=FLOAT32_MAX):
-    if state_update:
-        return x.new_empty(x.shape), state_pool.new_empty(state_pool.shape)
-    return x.new_empty(x.shape), state_pool.new_empty((x.shape[0], *state_pool.shape[1:]))
+    return x.new_empty(x.shape), slot_state.fake_new_state(state_pool, x.shape[0], state_update)
 
 
 def onnx_function(opset: int):

@@ -21,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkiln.batched_int8 import DEFAULT_MIN_ROWS, DERIVED_LOCATION, dequantize, smoothing
+from graphkiln.export.external_data import read_initializer
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope
 from graphkiln.manifest import BatchedGraphSpec, DerivedWeight, GraphSpec, TensorRef
 
@@ -50,7 +51,7 @@ def write_batched_graph(out_dir: Path, graph: GraphSpec, importance: dict | None
         k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
         refs = [_ref(inits[name], out_dir, data, data_name) if name else None
                 for name in (node.input[1], node.input[2], node.input[3] if len(node.input) > 3 else "")]
-        arrays = [_read(inits[name], out_dir) if name else None
+        arrays = [read_initializer(inits[name], out_dir) if name else None
                   for name in (node.input[1], node.input[2], node.input[3] if len(node.input) > 3 else "")]
         w = dequantize(arrays[0], arrays[1], arrays[2], k, bits)
         s = smoothing(w, _importance_for(node.input[1], importance or {}, k))
@@ -186,13 +187,3 @@ def _ref(init: TensorProto, out_dir: Path, data: bytearray, data_name: str) -> T
         info = {e.key: e.value for e in init.external_data}
         return TensorRef(info["location"], int(info.get("offset", 0)), tuple(init.dims), _NP_NAMES[init.data_type])
     return _append(data, data_name, numpy_helper.to_array(init))
-
-
-def _read(init: TensorProto, out_dir: Path) -> np.ndarray:
-    if init.data_location != TensorProto.EXTERNAL:
-        return numpy_helper.to_array(init)
-    info = {e.key: e.value for e in init.external_data}
-    dtype = np.dtype(_NP_NAMES[init.data_type])
-    count = int(np.prod(init.dims))
-    arr = np.fromfile(out_dir / info["location"], dtype=dtype, count=count, offset=int(info.get("offset", 0)))
-    return arr.reshape(tuple(init.dims))

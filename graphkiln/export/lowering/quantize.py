@@ -56,6 +56,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphkiln.batched_int8 import dequantize
 from graphkiln.export.block_quant import quantize_blocks
+from graphkiln.export.external_data import read_initializer
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope, _drop_unused_initializers
 
@@ -175,7 +176,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         param = weight.removesuffix(".T")
         if param in provided:
             return provided[param]
-        w = _read(init, base_dir)
+        w = read_initializer(init, base_dir)
         w_nk = w if stored_nk else w.T  # Linear weights are stored [K, N]; a tied head's table [N, K]
         return quantize_blocks(w_nk, bits, block_size, symmetric, how, feature_weights)
 
@@ -341,24 +342,6 @@ def _router_outputs(graph: onnx.GraphProto) -> set[str]:
 
 
 # --------------------------------------------------------------------------- tensors
-
-
-def _read(init: TensorProto, base_dir) -> np.ndarray:
-    """An initializer as an array, read from its external-data file if it is not loaded."""
-    if init.data_location != TensorProto.EXTERNAL or init.HasField("raw_data"):
-        return numpy_helper.to_array(init)
-    if base_dir is None:
-        raise ValueError(f"initializer {init.name!r} is stored as external data: pass base_dir")
-    info = {e.key: e.value for e in init.external_data}
-    dtype = np.dtype(_FLOAT_TYPES[init.data_type])
-    count = int(np.prod(init.dims))
-    offset = int(info.get("offset", 0))
-    if "length" in info and int(info["length"]) != count * dtype.itemsize:
-        raise ValueError(f"initializer {init.name!r}: external length {info['length']} does not match its shape")
-    arr = np.fromfile(Path(base_dir) / info["location"], dtype=dtype, count=count, offset=offset)
-    if arr.size != count:
-        raise ValueError(f"initializer {init.name!r}: external data file is truncated")
-    return arr.reshape(tuple(init.dims))
 
 
 def pack_blocks(blocks, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -27,7 +27,7 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
 from graphkiln.batched_int8 import derived_weights
-from graphkiln.manifest import SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec, is_pool_output
+from graphkiln.manifest import SLOT_STATE_INPUTS, SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec, is_pool_output
 from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.backends.state import StatePool
 
@@ -160,8 +160,7 @@ class DecoderGraph:
                         if t.role in ("present_key", "present_value")}
         # slot states (conv, recurrent) whose output is the whole pool, bound to the input's buffer:
         # (input role, layer) -> output name
-        state_input = {out: inp for inp, out in SLOT_STATE_ROLES.items()}
-        self.pool_outputs = {(state_input[t.role], t.layer): t.name for t in spec.outputs if is_pool_output(t)}
+        self.pool_outputs = {(SLOT_STATE_INPUTS[t.role], t.layer): t.name for t in spec.outputs if is_pool_output(t)}
         # in-place graphs: IOBindings by (batch, first slot, pool, pool generation, tokens only), a
         # few kept (a scheduler alternates a decode range and a prefill range); see _binding
         self._bindings: dict[tuple, _Bound] = {}
