@@ -7,6 +7,7 @@ Models (--model, default all), each ~250M parameters, vocab 32000, hidden 1024:
             ~134M active per token); exported with --target onnxruntime (MoE lowered)
   lfm2      16 layers (10 short-conv, 6 attention), intermediate 2816, tied (~240M)
   qwen3_5   16 layers (12 gated delta net, 4 gated attention), intermediate 2816 (~270M)
+  nemotron_h 23 blocks (10 Mamba-2, 10 relu2 MLP, 3 attention), intermediate 4096 (~241M)
 128-token prompt, 128 greedy new tokens, 2 threads. Prints a markdown table (median of
 --repeats runs) and optionally writes JSON.
 
@@ -48,6 +49,13 @@ MODELS = {
                                           linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
                                           tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                 "onnxruntime"),
+    # Nemotron-H-shaped: Mamba-2 blocks (32 heads of 64, state 128, 8 groups) each followed by a
+    # relu2 MLP block, a no-rope attention block after every third (pattern M-M-M*-...), ~241M
+    "nemotron_h": ("NemotronHConfig", dict(COMMON, hybrid_override_pattern="M-M-M*-M-M-M*-M-M-M*-M-", head_dim=64,
+                                           intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64,
+                                           ssm_state_size=128, n_groups=8, tie_word_embeddings=False,
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                   "onnxruntime"),
 }
 
 

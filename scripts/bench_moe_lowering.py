@@ -36,15 +36,19 @@ def build_model(args, rng):
     from graphkiln.ops.spec import DOMAIN
 
     e, i, h = args.experts, args.intermediate, args.hidden
+    f = moe.gate_up_rows(i, args.activation)
     weights = {
-        "gate_up": (rng.standard_normal((e, 2 * i, h)) * h ** -0.5).astype(np.float32),
+        "gate_up": (rng.standard_normal((e, f, h)) * h ** -0.5).astype(np.float32),
         "down": (rng.standard_normal((e, h, i)) * i ** -0.5).astype(np.float32),
         "expert_bias": np.zeros(e, np.float32),
+        # zeros (a bias-free checkpoint) unless --expert-biases
+        "gate_up_bias": (rng.standard_normal((e, f)) * 0.1 * args.expert_biases).astype(np.float32),
+        "down_bias": (rng.standard_normal((e, h)) * 0.1 * args.expert_biases).astype(np.float32),
     }
     node = helper.make_node(
         "MoE", ["hidden", "router_logits", *weights], ["out"], name="layer0/moe", domain=DOMAIN,
-        top_k=args.top_k, scoring=0, normalize=1, norm_eps=0.0, routed_scaling=1.0,
-        plugin_namespace=moe.SPEC.plugin_namespace, plugin_version=moe.SPEC.plugin_version)
+        top_k=args.top_k, scoring=0, normalize=1, norm_eps=0.0, routed_scaling=1.0, activation=args.activation,
+        alpha=1.702, limit=7.0, plugin_namespace=moe.SPEC.plugin_namespace, plugin_version=moe.SPEC.plugin_version)
     graph = helper.make_graph(
         [node], "moe_layer",
         [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["T", h]),
@@ -90,6 +94,8 @@ def main():
     ap.add_argument("--intermediate", type=int, default=1408)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--activation", type=int, default=0, help="graphkiln.MoE activation: 0 SwiGLU, 1 relu², 2 gpt-oss")
+    ap.add_argument("--expert-biases", action="store_true", help="random expert biases instead of zeros")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--inputs", type=int, default=32, help="distinct inputs cycled through per T")
@@ -136,7 +142,8 @@ def main():
                          experts_touched=statistics.mean(touched)))
 
     print(f"\nMoE layer: hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
-          f"moe intermediate {args.intermediate}, fp32; onnxruntime {ort.__version__} CPU, "
+          f"moe intermediate {args.intermediate}, activation {args.activation}, "
+          f"{'random' if args.expert_biases else 'zero'} expert biases, fp32; onnxruntime {ort.__version__} CPU, "
           f"{args.threads} threads, {os.cpu_count()} CPUs; expert weights {total / 2**20:.1f} MiB "
           f"({per_expert / 2**20:.2f} MiB per expert); lowering took {lower_s:.2f} s\n")
     print("| T | dense function (ms) | lowered ORT MoE (ms) | speedup | expert weights read: dense | lowered |")

@@ -485,7 +485,8 @@ def check_attention(case: AttnCase, dtype: str, device: str = "cuda", *, launch:
     scale = case.d ** -0.5
     args = (case.nq, case.nkv, case.window, scale)
     causal = torch.zeros(1, 1, dtype=torch.int64, device=device)  # lookahead: a text model's tokens
-    want_out, want_k, want_v = reference(q, k, v, past_k, past_v, pos, cos, sin, causal, *args, kv_update=1)
+    sinks = torch.zeros(case.nq, dtype=torch.float32, device=device)  # unread: use_sinks defaults to 0
+    want_out, want_k, want_v = reference(q, k, v, past_k, past_v, pos, cos, sin, causal, sinks, *args, kv_update=1)
     cache_k, cache_v = past_k.clone(), past_v.clone()  # present_* alias past_*: the kernel writes these
     out = launch(q, k, v, cache_k, cache_v, pos, cos, sin, *args, kernel=kernel)
 
@@ -516,7 +517,8 @@ def check_attention(case: AttnCase, dtype: str, device: str = "cuda", *, launch:
 
 
 def moe_inputs(case: MoECase, dtype: str, device: str, seed: int):
-    """hidden, router_logits, gate_up, down, expert_bias. Each token's logits are a shuffled
+    """hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias (zeros: a
+    bias-free SwiGLU model, what every MoE case here is). Each token's logits are a shuffled
     ladder of distinct values (steps far above fp16/bf16 resolution) plus small noise: no two
     experts tie, so the kernel's and torch's top-k agree without depending on tie order."""
     import torch
@@ -532,7 +534,9 @@ def moe_inputs(case: MoECase, dtype: str, device: str, seed: int):
     down = _randn(g, (e, h, i), dtype, device, i ** -0.5)
     biased = MOE_STYLES[case.style][4]
     bias = 0.3 * torch.randn(e, generator=g, device=device) if biased else torch.zeros(e, device=device)
-    return hidden, logits, gate_up, down, bias
+    zeros = (torch.zeros(e, 2 * i, dtype=hidden.dtype, device=device), torch.zeros(e, h, dtype=hidden.dtype,
+                                                                                   device=device))
+    return hidden, logits, gate_up, down, bias, *zeros
 
 
 def check_moe(case: MoECase, dtype: str, device: str = "cuda", *, launch: Callable | None = None,
@@ -657,6 +661,8 @@ class DecodeStep:
         self.gate_up = _randn(g, (sh.experts, 2 * sh.inter, hid), dtype, device, hid ** -0.5)
         self.down = _randn(g, (sh.experts, hid, sh.inter), dtype, device, sh.inter ** -0.5)
         self.expert_bias = torch.zeros(sh.experts, device=device)
+        self.expert_biases = (torch.zeros(sh.experts, 2 * sh.inter, dtype=self.down.dtype, device=device),
+                              torch.zeros(sh.experts, hid, dtype=self.down.dtype, device=device))
         self.cos, self.sin = rope_tables(max(sh.starts) + sh.steps + 1, sh.d, device)
         self.slot_idx = torch.tensor(sh.slots, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(b, dtype=torch.int64, device=device)
@@ -694,8 +700,8 @@ class DecodeStep:
         attn = run_attention(q, k, v, st["key_cache"], st["value_cache"], self.pos_in, self.cos, self.sin, sh.nq,
                              sh.nkv, 0, sh.d ** -0.5, kernel=DECODE)[:, 0]
         logits = (attn[:, : sh.experts] * 4).contiguous()
-        return attn + run_moe(attn, logits, self.gate_up, self.down, self.expert_bias, sh.top_k, 0, 1, 0.0, 1.0,
-                              tactic="decode")
+        return attn + run_moe(attn, logits, self.gate_up, self.down, self.expert_bias, *self.expert_biases, sh.top_k,
+                              0, 1, 0.0, 1.0, tactic="decode")
 
     def run_eager(self) -> tuple[list, dict]:
         """Every step eagerly from ``state0``: (outputs, the state after the last step), copies."""

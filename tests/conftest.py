@@ -209,6 +209,51 @@ SPECS: dict[str, Spec] = {
             features=("gated_delta", "recurrent_state", "hybrid", "moe", "shared_expert", "dense_layers"),
         ),
         Spec(
+            "nemotron_h",
+            "NemotronHForCausalLM",
+            # one-sublayer blocks: Mamba-2 (two B/C groups over four heads each), attention with no
+            # position encoding, non-gated relu2 MLPs, and MoE blocks (sigmoid routing with a selection
+            # bias, relu2 experts, an ungated shared expert, scaled weights)
+            dict(_COMMON, vocab_size=300, layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                                             "linear_attention", "moe"],
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                 ssm_state_size=16, n_groups=2, conv_kernel=4, use_conv_bias=True, n_routed_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                 routed_scaling_factor=2.5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=30,
+            features=("mamba", "recurrent_state", "hybrid", "no_rope", "one_sublayer_blocks", "relu2_mlp", "moe",
+                      "sigmoid_routing", "shared_expert"),
+        ),
+        Spec(
+            "granite_hybrid",
+            "GraniteMoeHybridForCausalLM",
+            # Granite 4.0-H: Mamba-2 and no-rope attention layers, each with softmax top-2-of-4 experts
+            # beside the always-on shared SwiGLU MLP; every Granite multiplier away from 1
+            dict(_COMMON, vocab_size=300, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+                 intermediate_size=32,
+                 shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                 mamba_n_groups=2, mamba_d_conv=4, embedding_multiplier=4.0, residual_multiplier=0.5,
+                 attention_multiplier=0.2, logits_scaling=2.0, tie_word_embeddings=True,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=33,
+            features=("mamba", "recurrent_state", "hybrid", "no_rope", "granite_multipliers", "moe", "shared_expert",
+                      "tied"),
+        ),
+        Spec(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            # sinks in every attention layer, sliding (window 8) and full layers alternating, YaRN
+            # rotary; experts with biases and interleaved gate/up columns, the SwiGLU clamp at 1.0
+            # so that it bites at these weights (gpt-oss's 7.0 would never)
+            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                 swiglu_limit=1.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=32,
+            features=("attention_sinks", "sliding_window", "mixed_layer_types", "moe", "expert_biases",
+                      "clamped_swiglu", "rope_scaling", "attention_bias"),
+        ),
+        Spec(
             "gemma3_text",
             "Gemma3ForCausalLM",
             # 2:1 local/global layers (sliding_window_pattern 3), each kind with its own rope (the
@@ -383,12 +428,15 @@ def _randomize_init_constants(model, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_proj_bias")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif name.endswith((".mixer.D", ".mamba.D", ".mixer.dt_bias", ".mamba.dt_bias")):
+                # Mamba-2's skip and time-step bias start as ones: per-head values catch a head mix-up
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.3)
             elif "norm" in name:
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
         for name, buf in model.named_buffers():
-            if name.endswith("expert_bias"):  # routing-only bias (LFM2-MoE): must be non-zero to be tested
+            if name.endswith(("expert_bias", "e_score_correction_bias")):  # routing-only bias (LFM2-MoE): must be non-zero to be tested
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 

@@ -44,8 +44,11 @@ NQ, NKV, D, POSITIONS = 4, 2, 16, 64
 # GatedDeltaRule sizes: q/k heads, value heads (a multiple), key and value head dims (different,
 # so a transposed state shows); its pool has SLOTS slots
 GHK, GHV, GDK, GDV = 2, 4, 8, 6
+# SsmScan sizes: heads, head dim, groups (three heads each), state size (N != P, so a transposed
+# state shows); its pool has SLOTS slots
+SH, SP, SG, SN = 6, 3, 2, 5
 
-MOE_ATTRS = ("top_k", "scoring", "normalize", "norm_eps", "routed_scaling")
+MOE_ATTRS = ("top_k", "scoring", "normalize", "norm_eps", "routed_scaling", "activation", "alpha", "limit")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,12 +127,21 @@ def exported():
 # op cases: inputs, attributes and dynamic dims per op (every op in registry.specs() needs one)
 
 
-def moe_inputs(gen, tokens: int, dtype=torch.float32, bias_scale: float = 0.3):
-    return (_randn(gen, tokens, H, dtype=dtype),  # hidden
-            _randn(gen, tokens, E, scale=1.5, dtype=dtype),  # router_logits
-            _randn(gen, E, 2 * I, H, scale=0.3, dtype=dtype),  # gate_up
-            _randn(gen, E, H, I, scale=0.3, dtype=dtype),  # down
-            _randn(gen, E, scale=bias_scale))  # expert_bias (fp32, as the models keep it)
+def moe_inputs(gen, tokens: int, dtype=torch.float32, bias_scale: float = 0.3, activation: int = 0,
+               expert_biases: bool = True, weight_scale: float = 0.3):
+    """hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias; gate_up has
+    I rows per expert for the non-gated activation 1, else 2I; the expert biases are random
+    (zeros with ``expert_biases`` False, what bias-free models pass)."""
+    f = I if activation == 1 else 2 * I
+    ins = (_randn(gen, tokens, H, dtype=dtype),  # hidden
+           _randn(gen, tokens, E, scale=1.5, dtype=dtype),  # router_logits
+           _randn(gen, E, f, H, scale=weight_scale, dtype=dtype),  # gate_up
+           _randn(gen, E, H, I, scale=0.3, dtype=dtype),  # down
+           _randn(gen, E, scale=bias_scale))  # expert_bias (fp32, as the models keep it)
+    biases = (_randn(gen, E, f, scale=0.5, dtype=dtype), _randn(gen, E, H, scale=0.5, dtype=dtype))
+    if not expert_biases:
+        biases = tuple(torch.zeros_like(b) for b in biases)
+    return ins + biases
 
 
 def short_conv_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtype=torch.int64):
@@ -152,10 +164,23 @@ def gated_delta_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dty
             _randn(gen, SLOTS, GHV, GDK, GDV, scale=0.5, dtype=dtype), slot_idx, seq_lens)
 
 
+def ssm_scan_inputs(gen, batch: int, seq: int, dtype=torch.float32, index_dtype=torch.int64):
+    """x, dt, Bm, Cm (activations), A < 0, D and dt_bias (fp32, as the TensorRT plugin reads
+    them), a nonzero pool [slots, H, N, P], distinct slots and ragged lengths (row 0 full)."""
+    slot_idx = torch.randperm(SLOTS, generator=gen)[:batch].to(index_dtype)
+    seq_lens = torch.randint(0, seq + 1, (batch,), generator=gen).to(index_dtype)
+    seq_lens[0] = seq
+    return (_randn(gen, batch, seq, SH, SP, dtype=dtype), _randn(gen, batch, seq, SH, dtype=dtype),
+            -torch.exp(torch.rand(SH, generator=gen) * 2.0), _randn(gen, batch, seq, SG, SN, dtype=dtype),
+            _randn(gen, batch, seq, SG, SN, dtype=dtype), _randn(gen, SH), _randn(gen, SH, scale=1.5) - 1.0,
+            _randn(gen, SLOTS, SH, SN, SP, scale=0.5, dtype=dtype), slot_idx, seq_lens)
+
+
 def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dtype=torch.float32):
     """Rows with different numbers of cached tokens (start_b in 0..cache; row 0 has none); the
     cache beyond each row's start holds garbage that must not be read; each new token looks
-    0..2 positions ahead (lookahead [B, S]), so every face is checked with the mask it opens."""
+    0..2 positions ahead (lookahead [B, S]), so every face is checked with the mask it opens;
+    sinks fp32 [Nq] random, which the op must not read unless use_sinks=1."""
     lookahead = torch.randint(0, 3, (batch, seq), generator=gen)
     starts = torch.randint(0, cache + 1, (batch,), generator=gen)
     starts[0] = 0
@@ -166,12 +191,13 @@ def attention_inputs(gen, batch: int, seq: int, cache: int, window: int = 0, dty
     return (_randn(gen, batch, seq, NQ * D, dtype=dtype), _randn(gen, batch, seq, NKV * D, dtype=dtype),
             _randn(gen, batch, seq, NKV * D, dtype=dtype), _randn(gen, batch, NKV, cache, D, dtype=dtype),
             _randn(gen, batch, NKV, cache, D, dtype=dtype), position_ids,
-            freqs.cos() * scaling, freqs.sin() * scaling, lookahead)
+            freqs.cos() * scaling, freqs.sin() * scaling, lookahead, _randn(gen, NQ, scale=2.0))
 
 
-def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, window: int,
-                    scale: float, rope_layout: int = 0):
-    """The op's documented semantics, one row, head and token at a time, in float64 numpy."""
+def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks, window: int,
+                    scale: float, rope_layout: int = 0, use_sinks: int = 0):
+    """The op's documented semantics, one row, head and token at a time, in float64 numpy
+    (with use_sinks, sinks[h] is one more logit of head h's softmax, its weight dropped)."""
     q, k, v, pk, pv, pos, cos_t, sin_t = (_np(x).astype(np.float64) if i != 5 else _np(x)
                                           for i, x in enumerate((q, k, v, past_key, past_value, position_ids,
                                                                  cos_cache, sin_cache)))
@@ -203,8 +229,10 @@ def naive_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_
                 keys += [(new_k[r, j, u], new_v[r, j, u], pos[r, u]) for u in range(s)]
                 keys = [(kk, vv) for kk, vv, kp in keys if kp <= p + ahead[r, t] and (window == 0 or kp > p - window)]
                 sc = np.array([qh @ kk for kk, _ in keys]) * scale
-                w = np.exp(sc - sc.max())
-                w /= w.sum()
+                sink = float(_np(sinks)[h]) if use_sinks else -np.inf
+                top = max(sc.max(), sink)
+                w = np.exp(sc - top)
+                w /= w.sum() + np.exp(sink - top)
                 out[r, t, h * d:(h + 1) * d] = sum(wi * vv for wi, (_, vv) in zip(w, keys))
     return out, new_k, new_v
 
@@ -213,12 +241,13 @@ def _attention_dyn(rope_layout: int = 0):
     b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
     rope = {0: b, 1: s} if rope_layout else None  # per-token [B, S, D/2], or a table
     return ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: s}, {0: b, 2: c}, {0: b, 2: c}, {0: b, 1: s}, rope, rope,
-            {0: b, 1: s})
+            {0: b, 1: s}, None)
 
 
-def attention_export(exported, window: int, scale: float, kv_update: int = 0, rope_layout: int = 0) -> Exported:
+def attention_export(exported, window: int, scale: float, kv_update: int = 0, rope_layout: int = 0,
+                     use_sinks: int = 0) -> Exported:
     """The op alone with these attributes, exported once per file (lookahead a [B, S] input)."""
-    attrs = (NQ, NKV, window, scale, kv_update, rope_layout)
+    attrs = (NQ, NKV, window, scale, kv_update, rope_layout, use_sinks)
 
     def make():
         inputs = list(attention_inputs(_gen(0), 3, 4, 6))
@@ -231,7 +260,7 @@ def attention_export(exported, window: int, scale: float, kv_update: int = 0, ro
 
 def _moe_dyn():
     t = torch.export.Dim("T")
-    return ({0: t}, {0: t}, None, None, None)
+    return ({0: t}, {0: t}, None, None, None, None, None)
 
 
 def _short_conv_dyn():
@@ -242,6 +271,11 @@ def _short_conv_dyn():
 def _gated_delta_dyn():
     b, s = torch.export.Dim("B"), torch.export.Dim("S")
     return ({0: b, 1: s},) * 5 + (None, {0: b}, {0: b})
+
+
+def _ssm_scan_dyn():
+    b, s = torch.export.Dim("B"), torch.export.Dim("S")
+    return ({0: b, 1: s}, {0: b, 1: s}, None, {0: b, 1: s}, {0: b, 1: s}, None, None, None, {0: b}, {0: b})
 
 
 @dataclass(frozen=True)
@@ -264,6 +298,9 @@ OP_CASES: dict[str, OpCase] = {
     # sizes: (batch, new tokens); attrs (scale,): qk_l2norm and state_update at their defaults
     "GatedDeltaRule": OpCase(attrs=(GDK ** -0.5,), make_inputs=lambda g, bs: gated_delta_inputs(g, *bs),
                              sizes=((3, 6), (1, 1), (2, 9)), dynamic_shapes=_gated_delta_dyn),
+    # sizes: (batch, new tokens); attrs (state_update, dt_min, dt_max): both dt clamps on
+    "SsmScan": OpCase(attrs=(0, 0.05, 2.0), make_inputs=lambda g, bs: ssm_scan_inputs(g, *bs),
+                      sizes=((3, 6), (1, 1), (2, 9)), dynamic_shapes=_ssm_scan_dyn),
 }
 
 
@@ -321,7 +358,8 @@ def test_torch_op_registration_and_fake(name):
     case = OP_CASES[name]
     op = R.torch_op(name)
     assert op is getattr(torch.ops.graphkiln, spec.torch_name).default
-    assert str(op._schema).replace(" ", "").endswith(spec.torch_schema().replace(" ", ""))
+    # compared parsed: torch prints a float default its own way (0.0 as "0.")
+    assert str(op._schema) == str(torch._C.parse_schema(spec.torch_qualname + spec.torch_schema()))
     args = (*case.make_inputs(_gen(7), case.sizes[-1]), *case.attrs)
     result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result
@@ -423,7 +461,8 @@ def test_exported_graph_carries_plugin_identity_and_function(exported, name):
 
 class EveryOp(torch.nn.Module):
     """Every op in one graph: short conv over the sequence, a gated delta rule on its output
-    (added back, as a residual), attention over a cache, then routed experts on every token."""
+    and a Mamba-2 scan on that (each added back, as a residual), attention over a cache, then
+    routed experts on every token."""
 
     def __init__(self):
         super().__init__()
@@ -432,22 +471,32 @@ class EveryOp(torch.nn.Module):
         self.gate_up = torch.nn.Parameter(_randn(g, E, 2 * I, C, scale=0.3))
         self.down = torch.nn.Parameter(_randn(g, E, C, I, scale=0.3))
         self.expert_bias = torch.nn.Buffer(_randn(g, E, scale=0.3))
+        self.gate_up_bias = torch.nn.Parameter(_randn(g, E, 2 * I, scale=0.3))
+        self.down_bias = torch.nn.Parameter(_randn(g, E, C, scale=0.3))
         self.weight = torch.nn.Parameter(_randn(g, C, K, scale=0.5))
         self.bias = torch.nn.Parameter(_randn(g, C))
         self.wq = torch.nn.Parameter(_randn(g, C, NQ * D, scale=0.3))
         self.wk = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
         self.wv = torch.nn.Parameter(_randn(g, C, NKV * D, scale=0.3))
         self.wo = torch.nn.Parameter(_randn(g, NQ * D, C, scale=0.3))
-        _, _, _, _, _, _, cos, sin, _ = attention_inputs(g, 1, 1, 1)
-        self.cos, self.sin = torch.nn.Buffer(cos), torch.nn.Buffer(sin)
+        _, _, _, _, _, _, cos, sin, _, sinks = attention_inputs(g, 1, 1, 1)
+        self.cos, self.sin, self.sinks = torch.nn.Buffer(cos), torch.nn.Buffer(sin), torch.nn.Buffer(sinks)
         self.gq = torch.nn.Parameter(_randn(g, C, GHK * GDK, scale=0.3))
         self.gk = torch.nn.Parameter(_randn(g, C, GHK * GDK, scale=0.3))
         self.gv = torch.nn.Parameter(_randn(g, C, GHV * GDV, scale=0.3))
         self.ga = torch.nn.Parameter(_randn(g, C, GHV, scale=0.3))
         self.gb = torch.nn.Parameter(_randn(g, C, GHV, scale=0.3))
         self.go = torch.nn.Parameter(_randn(g, GHV * GDV, C, scale=0.3))
+        self.sx = torch.nn.Parameter(_randn(g, C, SH * SP, scale=0.3))
+        self.sdt = torch.nn.Parameter(_randn(g, C, SH, scale=0.3))
+        self.sb = torch.nn.Parameter(_randn(g, C, SG * SN, scale=0.3))
+        self.sc = torch.nn.Parameter(_randn(g, C, SG * SN, scale=0.3))
+        self.so = torch.nn.Parameter(_randn(g, SH * SP, C, scale=0.05))  # small: the scan's states grow
+        self.ssm_a = torch.nn.Buffer(-torch.exp(torch.rand(SH, generator=g) * 2.0))
+        self.ssm_d = torch.nn.Parameter(_randn(g, SH))
+        self.ssm_dt_bias = torch.nn.Parameter(_randn(g, SH) - 1.0)
 
-    def forward(self, x, pool, recurrent_pool, slot_idx, seq_lens, past_key, past_value, position_ids):
+    def forward(self, x, pool, recurrent_pool, ssm_pool, slot_idx, seq_lens, past_key, past_value, position_ids):
         y, new_state = R.torch_op("ShortConv")(x, self.weight, self.bias, pool, slot_idx, seq_lens, C)
         b, s, _ = y.shape
         r, new_recurrent = R.torch_op("GatedDeltaRule")(
@@ -455,32 +504,38 @@ class EveryOp(torch.nn.Module):
             (y @ self.gv).reshape(b, s, GHV, GDV), -F.softplus(y @ self.ga), torch.sigmoid(y @ self.gb),
             recurrent_pool, slot_idx, seq_lens, GDK ** -0.5)
         y = y + r.reshape(b, s, GHV * GDV) @ self.go
+        z, new_ssm = R.torch_op("SsmScan")(
+            (y @ self.sx).reshape(b, s, SH, SP), y @ self.sdt, self.ssm_a, (y @ self.sb).reshape(b, s, SG, SN),
+            (y @ self.sc).reshape(b, s, SG, SN), self.ssm_d, self.ssm_dt_bias, ssm_pool, slot_idx, seq_lens,
+            0, 0.01, 2.0)
+        y = y + z.reshape(b, s, SH * SP) @ self.so
         a, new_k, new_v = R.torch_op("Attention")(y @ self.wq, y @ self.wk, y @ self.wv, past_key, past_value,
                                                   position_ids, self.cos, self.sin,
                                                   torch.zeros(1, 1, dtype=torch.int64),  # a text model's constant
-                                                  NQ, NKV, 0, D ** -0.5)
+                                                  self.sinks, NQ, NKV, 0, D ** -0.5)
         flat = (a @ self.wo).reshape(-1, C)
         out = R.torch_op("MoE")(flat, flat @ self.router.T, self.gate_up, self.down, self.expert_bias,
-                                TOP_K, 1, 1, 1e-6, 2.0)
-        return out.reshape(y.shape), new_state, new_recurrent, new_k, new_v
+                                self.gate_up_bias, self.down_bias, TOP_K, 1, 1, 1e-6, 2.0)
+        return out.reshape(y.shape), new_state, new_recurrent, new_ssm, new_k, new_v
 
 
 def _every_op_inputs(gen, batch, seq, cache):
     x, _, _, pool, slot_idx, seq_lens = short_conv_inputs(gen, batch, seq)
     recurrent_pool = gated_delta_inputs(gen, batch, seq)[5]
-    _, _, _, past_key, past_value, position_ids, _, _, _ = attention_inputs(gen, batch, seq, cache)
-    return x, pool, recurrent_pool, slot_idx, seq_lens, past_key, past_value, position_ids
+    ssm_pool = ssm_scan_inputs(gen, batch, seq)[7]
+    _, _, _, past_key, past_value, position_ids, _, _, _, _ = attention_inputs(gen, batch, seq, cache)
+    return x, pool, recurrent_pool, ssm_pool, slot_idx, seq_lens, past_key, past_value, position_ids
 
 
 def test_graph_with_every_op(exported):
     names = set(R.specs())
-    assert names == {"MoE", "ShortConv", "Attention", "GatedDeltaRule"}, "extend EveryOp with the new op"
+    assert names == {"MoE", "ShortConv", "Attention", "GatedDeltaRule", "SsmScan"}, "extend EveryOp with the new op"
     module = EveryOp()
 
     def make():
         b, s, c = torch.export.Dim("B"), torch.export.Dim("S"), torch.export.Dim("C")
-        return module, _every_op_inputs(_gen(1), 3, 6, 4), ({0: b, 1: s}, None, None, {0: b}, {0: b}, {0: b, 2: c},
-                                                            {0: b, 2: c}, {0: b, 1: s})
+        return module, _every_op_inputs(_gen(1), 3, 6, 4), ({0: b, 1: s}, None, None, None, {0: b}, {0: b},
+                                                            {0: b, 2: c}, {0: b, 2: c}, {0: b, 1: s})
 
     ex = exported("every_op", make)
     _check_exported_graph(ex.model, names)
@@ -488,8 +543,8 @@ def test_graph_with_every_op(exported):
     for size in ((3, 6, 4), (1, 1, 7), (2, 4, 2)):
         inputs = _every_op_inputs(_gen(11), *size)
         want = module(*inputs)
-        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state", "new_recurrent_state", "new_key",
-                                                      "new_value")):
+        for g, w, what in zip(ex.run(*inputs), want, ("out", "new_state", "new_recurrent_state", "new_ssm_state",
+                                                      "new_key", "new_value"), strict=True):
             assert_close(g, w, what=f"{what} at {size}")
 
 
@@ -509,11 +564,12 @@ def test_attach_functions_is_idempotent(exported):
 # MoE: the documented semantics, and the transformers blocks it replaces
 
 
-def moe_per_docstring(hidden, router_logits, gate_up, down, expert_bias, top_k, scoring, normalize, norm_eps,
-                      routed_scaling):
+def moe_per_docstring(hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias, top_k, scoring,
+                      normalize, norm_eps, routed_scaling, activation=0, alpha=1.702, limit=7.0):
     """moe.py's docstring, token by token in float64: an oracle independent of the implementation."""
     hidden, logits = hidden.double(), router_logits.double()
     gate_up, down, bias = gate_up.double(), down.double(), expert_bias.double()
+    gate_up_bias, down_bias = gate_up_bias.double(), down_bias.double()
     out = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
         scores = torch.sigmoid(logits[t]) if scoring == 1 else torch.softmax(logits[t], -1)
@@ -523,14 +579,24 @@ def moe_per_docstring(hidden, router_logits, gate_up, down, expert_bias, top_k, 
             w = w / (w.sum() + norm_eps)
         w = w * routed_scaling
         for e, we in zip(experts.tolist(), w):
-            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
-            out[t] += we * (down[e] @ (F.silu(gate) * up))
+            y = gate_up[e] @ hidden[t] + gate_up_bias[e]
+            if activation == 1:  # "relu(y)^2, non-gated"
+                act = torch.clamp(y, min=0) ** 2
+            else:
+                gate, up = y[:I], y[I:]
+                if activation == 2:  # "g * sigmoid(alpha * g) * (u + 1)"
+                    g, u = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+                    act = g * torch.sigmoid(alpha * g) * (u + 1)
+                else:
+                    act = F.silu(gate) * up
+            out[t] += we * (down[e] @ act + down_bias[e])
     return out
 
 
 def _moe_export(exported, attrs: tuple, dtype=torch.float32) -> Exported:
     def make():
-        return OpModule("MoE", attrs), moe_inputs(_gen(0), 5, dtype), _moe_dyn()
+        activation = attrs[5] if len(attrs) > 5 else 0
+        return OpModule("MoE", attrs), moe_inputs(_gen(0), 5, dtype, activation=activation), _moe_dyn()
 
     return exported(("MoE", attrs, dtype), make)
 
@@ -563,12 +629,50 @@ def test_moe_matches_documented_semantics(exported, face, scoring, normalize, no
         assert_close(got, want, what=f"{face} face, {tokens} tokens")
 
 
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("activation,alpha,limit", [(1, 1.702, 7.0), (2, 1.702, 0.8), (2, 0.7, 1.1)],
+                         ids=["relu2", "clamped-swiglu", "clamped-swiglu-alpha"])
+def test_moe_activations_match_documented_semantics(exported, face, activation, alpha, limit):
+    """The relu² and clamped-SwiGLU experts with random expert biases, as the docstring states.
+
+    Weights large enough (and limits small enough) that the clamps bind and relu cuts: checked,
+    so a missing clamp or a relu instead of relu² cannot pass.
+    """
+    attrs = (TOP_K, 1, 1, 1e-6, 1.5, activation, alpha, limit)
+    for tokens in (1, 17):
+        inputs = moe_inputs(_gen(40 + tokens), tokens, activation=activation, weight_scale=0.6)
+        y = torch.einsum("th,efh->tef", inputs[0], inputs[2]) + inputs[5]
+        if activation == 2:
+            assert (y[..., :I] > limit).any() and (y[..., I:].abs() > limit).any(), "no clamp binds"
+        else:
+            assert (y < 0).any() and (y > 1).any()
+        got = _run_moe(exported, face, inputs, attrs)
+        want = moe_per_docstring(*inputs, *attrs)
+        assert_close(got, want, what=f"{face} face, {tokens} tokens")
+
+
+def test_moe_default_activation_is_todays_swiglu():
+    """activation 0 (the default) with zero expert biases is bit for bit what the op computed
+    before it had biases and activations: silu(gate) * up through bias-free linears."""
+    inputs = moe_inputs(_gen(3), 17, expert_biases=False)
+    attrs = (TOP_K, 1, 1, 1e-6, 1.5)
+    w, idx = R.op_modules()["MoE"].routing(inputs[1], inputs[4], *attrs)
+    want = torch.zeros_like(inputs[0])
+    for e in range(E):
+        tok, slot = torch.where(idx == e)
+        gate, up = F.linear(inputs[0][tok], inputs[2][e]).chunk(2, dim=-1)
+        want.index_add_(0, tok, F.linear(F.silu(gate) * up, inputs[3][e]) * w.to(want.dtype)[tok, slot, None])
+    got = R.torch_op("MoE")(*inputs, *attrs)
+    assert torch.equal(got, want)
+    assert torch.equal(got, R.torch_op("MoE")(*inputs, *attrs, 0, 5.0, 0.1)), "alpha/limit read by activation 0"
+
+
 def test_moe_zero_expert_bias_is_neutral(exported):
     """With zero bias, selection is by the scores alone (what softmax routers and bias-free LFM2 do)."""
     for scoring in (0, 1):
         attrs = (TOP_K, scoring, 1, 1e-6, 1.0)
-        h, lg, gu, dn, _ = moe_inputs(_gen(5), 9)
-        inputs = (h, lg, gu, dn, torch.zeros(E))
+        h, lg, gu, dn, _, gub, dnb = moe_inputs(_gen(5), 9)
+        inputs = (h, lg, gu, dn, torch.zeros(E), gub, dnb)
         want = moe_per_docstring(*inputs, *attrs)
         for face in FACES:
             assert_close(_run_moe(exported, face, inputs, attrs), want, what=f"scoring {scoring}, {face}")
@@ -623,7 +727,7 @@ def _moe_op_inputs(block, hidden: torch.Tensor) -> tuple:
     bias = getattr(block, "expert_bias", None)
     bias = torch.zeros(E) if bias is None else bias
     return (hidden, hidden @ router.T, block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(),
-            bias.detach())
+            bias.detach(), torch.zeros(E, 2 * I), torch.zeros(E, H))
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -648,7 +752,7 @@ def test_moe_routing_changes_with_the_knobs():
     base = op(*inputs, TOP_K, 1, 1, 1e-6, 2.0)
     for attrs in [(TOP_K, 0, 1, 1e-6, 2.0), (TOP_K, 1, 0, 1e-6, 2.0), (TOP_K, 1, 1, 1e-6, 1.0), (1, 1, 1, 1e-6, 2.0)]:
         assert (op(*inputs, *attrs) - base).abs().max() > 1e-3 * base.abs().max(), attrs
-    zero_bias = op(*inputs[:4], torch.zeros(E), TOP_K, 1, 1, 1e-6, 2.0)
+    zero_bias = op(*inputs[:4], torch.zeros(E), *inputs[5:], TOP_K, 1, 1, 1e-6, 2.0)
     assert (zero_bias - base).abs().max() > 1e-3 * base.abs().max(), "expert_bias changes no selection"
 
 
@@ -889,6 +993,31 @@ def test_attention_matches_documented_semantics(exported, face, window, size):
         assert_close(g, w, what=f"{face} {name} window={window} size={size}")
 
 
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("size", [(3, 4, 6), (2, 1, 9), (2, 6, 0)], ids=["prefill_after_cache", "decode", "first_prompt"])
+def test_attention_sinks_match_documented_semantics(exported, face, window, size):
+    """use_sinks=1: sinks[h] is one more logit of head h's softmax (gpt-oss); use_sinks=0 never
+    reads sinks (other values give bit-identical results)."""
+    inputs = list(attention_inputs(_gen(50 + size[0]), *size))
+    want = naive_attention(*inputs, window=window, scale=0.3, use_sinks=1)
+    if face == "torch":
+        def run(args, use_sinks):
+            return R.torch_op("Attention")(*args, NQ, NKV, window, 0.3, 0, 0, use_sinks)
+    else:
+        def run(args, use_sinks):
+            return [torch.from_numpy(o) for o in attention_export(exported, window, 0.3, 0, 0, use_sinks).run(*args)]
+    got = run(inputs, 1)
+    for name, g, w in zip(("out", "new_key", "new_value"), got, want):
+        assert_close(g, w, what=f"{face} sinks {name} window={window} size={size}")
+    without = naive_attention(*inputs, window=window, scale=0.3)
+    assert not np.allclose(_np(got[0]), without[0], rtol=1e-3, atol=1e-3), "the sinks change nothing: no teeth"
+    other = list(inputs)
+    other[9] = torch.full_like(inputs[9], float("nan"))
+    for g, w in zip(run(other, 0), run(inputs, 0)):
+        assert torch.equal(torch.as_tensor(g), torch.as_tensor(w)), f"{face}: use_sinks=0 read the sinks"
+
+
 def test_attention_ignores_cache_rows_at_or_after_a_rows_start():
     """Positions >= start_b in the cache are not part of row b's history (garbage there is free)."""
     op = R.torch_op("Attention")
@@ -957,7 +1086,8 @@ def _masked_attention(inputs, real, masks, scale: float):
     """out [B, S, Nq*D] (real tokens; padding left 0) and the rotated new keys [B, Nkv, S, D],
     in float64 with the given boolean masks over (cached + new) keys: the op's rotary and
     grouped heads written out plainly, the mask taken as given."""
-    q, k, v, past_key, past_value, pos, cos_t, sin_t, _ = (x.double() if x.is_floating_point() else x for x in inputs)
+    q, k, v, past_key, past_value, pos, cos_t, sin_t, _, _ = (x.double() if x.is_floating_point() else x
+                                                             for x in inputs)
     b, s, _ = q.shape
     d = past_key.shape[-1]
 
@@ -1008,7 +1138,7 @@ def _mrope(gen, batch: int, seq: int, sections=(2, 3, 3)):
     width; equal on text tokens, apart on image ones) and frequency section j read at stream
     j % 3's position — an independent gather, frequency by frequency."""
     assert sum(sections) == D // 2
-    _, _, _, _, _, _, cos_t, sin_t, _ = attention_inputs(gen, 1, 1, 1)
+    _, _, _, _, _, _, cos_t, sin_t, _, _ = attention_inputs(gen, 1, 1, 1)
     streams = torch.randint(0, POSITIONS, (3, batch, seq), generator=gen)
     streams[:, :, :2] = streams[0, :, :2]  # text tokens: one position on all three streams
     stream_of = [j % 3 for j, n in enumerate(sections) for _ in range(n)]
@@ -1045,8 +1175,8 @@ def test_per_token_rotary(exported, face, size):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. in-place state outputs (Attention kv_update=1, ShortConv and GatedDeltaRule state_update=1): the whole cache /
-#    pool with the new rows written in, which TensorRT aliases to the state input. Mode 1 must be
+# 6. in-place state outputs (Attention kv_update=1; ShortConv, GatedDeltaRule, SsmScan state_update=1): the whole
+#    cache / pool with the new rows written in, which TensorRT aliases to the state input. Mode 1 must be
 #    mode 0 plus an explicit scatter, in torch, in onnxruntime running the function, and with
 #    onnxruntime writing into the very buffer it reads (how the runtime binds tensorrt graphs).
 
@@ -1107,6 +1237,11 @@ IN_PLACE_CASES: dict[str, InPlaceCase] = {
         make_inputs=lambda g, sz: gated_delta_inputs(g, *sz),
         scatter=lambda state, rows, inputs: _scatter_slots(state, rows, inputs[6]),
         state_inputs=(5,)),
+    "SsmScan": InPlaceCase(
+        attrs=(), sizes={"decode": (3, 1), "prefill": (2, 6), "every_slot": (SLOTS, 3)},
+        make_inputs=lambda g, sz: ssm_scan_inputs(g, *sz),
+        scatter=lambda state, rows, inputs: _scatter_slots(state, rows, inputs[8]),
+        state_inputs=(7,)),
 }
 IN_PLACE_SIZES = [(n, s) for n, c in IN_PLACE_CASES.items() for s in c.sizes]
 
@@ -1115,7 +1250,7 @@ def test_every_in_place_op_has_a_case():
     from graphkiln.ops import op_modules
 
     mods = {n: m for n, m in op_modules().items() if hasattr(m, "IN_PLACE_ATTR")}
-    assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv", "GatedDeltaRule"}
+    assert set(mods) == set(IN_PLACE_CASES) == {"Attention", "ShortConv", "GatedDeltaRule", "SsmScan"}
     for name, mod in mods.items():
         spec = R.specs()[name]
         required = [a for a in spec.attributes if a.default is None]

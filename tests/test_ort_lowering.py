@@ -23,7 +23,7 @@ E, I, H = 8, 12, 32
 TOKENS = (1, 37)
 RTOL = 1e-5  # max |lowered - dense| / max |dense|
 
-# (top_k, scoring, normalize, norm_eps, routed_scaling)
+# (top_k, scoring, normalize, norm_eps, routed_scaling[, activation, alpha, limit])
 VARIANTS = {
     "softmax_norm": (2, 0, 1, 0.0, 1.0),  # Qwen3-MoE norm_topk_prob=True, Mixtral
     "softmax_nonorm": (2, 0, 0, 0.0, 1.0),  # Qwen3-MoE norm_topk_prob=False
@@ -33,26 +33,44 @@ VARIANTS = {
     "sigmoid_bias_norm_scaled": (4, 1, 1, 0.0, 2.0),
     "sigmoid_top1": (1, 1, 1, 0.0, 1.0),
     "softmax_all_experts": (E, 0, 0, 0.0, 1.0),
+    # with random expert biases (``BIASED``): gpt-oss's clamped SwiGLU (a limit that binds at the
+    # test's scales) and Nemotron-H's relu² experts
+    "gpt_oss": (4, 0, 1, 0.0, 1.0, 2, 1.702, 3.0),
+    "nemotron_h": (2, 1, 1, 1e-20, 2.5, 1, 1.702, 7.0),
+    "swiglu_biased": (2, 1, 1, 1e-6, 1.0),
 }
+BIASED = {"gpt_oss", "nemotron_h", "swiglu_biased"}
+
+
+def _rows(cfg) -> int:
+    """gate_up rows per expert: I for relu² (activation 1), else 2I."""
+    return I if len(cfg) > 5 and cfg[5] == 1 else 2 * I
 
 
 class _MoE(torch.nn.Module):
-    """``layers`` graphkiln.MoE layers with residuals; weights are parameters (-> initializers)."""
+    """``layers`` graphkiln.MoE layers with residuals; weights are parameters (-> initializers).
+    Expert biases are zeros (what a bias-free model passes) unless ``expert_biases``."""
 
-    def __init__(self, cfg, seed=0, dtype=torch.float32, zero_bias=False, layers=1):
+    def __init__(self, cfg, seed=0, dtype=torch.float32, zero_bias=False, layers=1, expert_biases=False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.cfg = cfg
+        f = _rows(cfg)
         self.gu = torch.nn.ParameterList(
-            [torch.nn.Parameter((torch.randn(E, 2 * I, H, generator=g) * 0.3).to(dtype)) for _ in range(layers)])
+            [torch.nn.Parameter((torch.randn(E, f, H, generator=g) * 0.3).to(dtype)) for _ in range(layers)])
         self.dn = torch.nn.ParameterList(
             [torch.nn.Parameter((torch.randn(E, H, I, generator=g) * 0.3).to(dtype)) for _ in range(layers)])
         bias = [torch.zeros(E) if zero_bias else torch.randn(E, generator=g) * 0.2 for _ in range(layers)]
         self.b = torch.nn.ParameterList([torch.nn.Parameter(b) for b in bias])
+        scale = 0.5 if expert_biases else 0.0
+        self.gub = torch.nn.ParameterList(
+            [torch.nn.Parameter((torch.randn(E, f, generator=g) * scale).to(dtype)) for _ in range(layers)])
+        self.dnb = torch.nn.ParameterList(
+            [torch.nn.Parameter((torch.randn(E, H, generator=g) * scale).to(dtype)) for _ in range(layers)])
 
     def forward(self, h, lg):
-        for gu, dn, b in zip(self.gu, self.dn, self.b):
-            h = h + torch.ops.graphkiln.moe(h, lg, gu, dn, b, *self.cfg)
+        for gu, dn, b, gub, dnb in zip(self.gu, self.dn, self.b, self.gub, self.dnb):
+            h = h + torch.ops.graphkiln.moe(h, lg, gu, dn, b, gub, dnb, *self.cfg)
         return h
 
 
@@ -61,8 +79,8 @@ class _MoEInputs(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
 
-    def forward(self, h, lg, gu, dn, b):
-        return torch.ops.graphkiln.moe(h, lg, gu, dn, b, *self.cfg)
+    def forward(self, h, lg, gu, dn, b, gub, dnb):
+        return torch.ops.graphkiln.moe(h, lg, gu, dn, b, gub, dnb, *self.cfg)
 
 
 def _export(module, args) -> onnx.ModelProto:
@@ -100,7 +118,9 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def _check_structure(model: onnx.ModelProto, n_moe: int = 1) -> None:
+def _check_structure(model: onnx.ModelProto, n_moe: int = 1, cfg=(), biased: bool = False) -> None:
+    """No graphkiln node or function left; each ORT MoE configured for ``cfg``'s activation, with
+    bias inputs only when the expert biases are not zero (else the pre-bias node exactly)."""
     ops = [(n.domain, n.op_type) for n in model.graph.node]
     assert not any(d == DOMAIN for d, _ in ops)
     assert ops.count(("com.microsoft", "MoE")) == n_moe
@@ -111,19 +131,33 @@ def _check_structure(model: onnx.ModelProto, n_moe: int = 1) -> None:
         if n.op_type == "MoE":
             a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
             assert a["activation_type"] == b"swiglu" and a["swiglu_fusion"] == 1
-            assert a["activation_alpha"] == 1.0 and a["activation_beta"] == 0.0 and "swiglu_limit" not in a
+            activation = cfg[5] if len(cfg) > 5 else 0
+            if activation == 2:
+                assert a["activation_alpha"] == pytest.approx(cfg[6]) and a["activation_beta"] == 1.0
+                assert a["swiglu_limit"] == pytest.approx(cfg[7])
+            else:
+                assert a["activation_alpha"] == np.float32(1e30 if activation == 1 else 1.0)
+                assert a["activation_beta"] == 0.0 and "swiglu_limit" not in a
+            assert len(n.input) == (6 if biased else 5) and all(n.input[i] for i in range(len(n.input)) if i != 3)
+            if biased:
+                assert n.input[3] and n.input[5]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_lowered_matches_dense_function(variant):
     cfg = VARIANTS[variant]
-    module = _MoE(cfg, seed=len(variant))
+    biased = variant in BIASED
+    module = _MoE(cfg, seed=len(variant), expert_biases=biased)
     model = _export(module, tuple(torch.from_numpy(v) for v in _feeds(5).values()))
     lowered, n = _lowered(model)
     assert n == 1
-    _check_structure(lowered)
+    _check_structure(lowered, cfg=cfg, biased=biased)
     names = {t.name for t in lowered.graph.initializer}
-    assert not any(name.startswith("gu") and "ort_interleaved" not in name for name in names)  # original dropped
+    assert not any(name.startswith("gu") and ".ort_" not in name for name in names)  # originals dropped
+    assert biased or not any(name.startswith("dnb") for name in names)  # zero output biases dropped
+    if len(cfg) > 5 and cfg[5] == 2:  # the clamps bind: on the gate from above, on up both ways
+        y = np.einsum("efh,th->tef", module.gu[0].detach().numpy(), _feeds(37)["h"]) + module.gub[0].detach().numpy()
+        assert (y[..., :I] > cfg[7]).any() and (y[..., I:] < -cfg[7]).any() and (y[..., I:] > cfg[7]).any()
     dense, sparse = _session(model), _session(lowered)
     for t in TOKENS:
         feeds = _feeds(t)
@@ -151,19 +185,23 @@ def test_no_swiglu_clamp_and_zero_bias():
         assert _rel(sparse.run(None, feeds)[0], dense.run(None, feeds)[0]) < RTOL
 
 
-def test_weights_as_graph_inputs():
-    """gate_up that is not an initializer is interleaved inside the graph."""
-    cfg = VARIANTS["softmax_norm_eps_scaled"]
+@pytest.mark.parametrize("cfg", [VARIANTS["softmax_norm_eps_scaled"], VARIANTS["gpt_oss"], VARIANTS["nemotron_h"]],
+                         ids=["swiglu", "gpt_oss", "nemotron_h"])
+def test_weights_as_graph_inputs(cfg):
+    """gate_up and gate_up_bias that are not initializers are interleaved (relu²: doubled) inside
+    the graph."""
     rng = np.random.default_rng(7)
-    w = {"gu": (rng.standard_normal((E, 2 * I, H)) * 0.3).astype(np.float32),
+    w = {"gu": (rng.standard_normal((E, _rows(cfg), H)) * 0.3).astype(np.float32),
          "dn": (rng.standard_normal((E, H, I)) * 0.3).astype(np.float32),
-         "b": (rng.standard_normal(E) * 0.2).astype(np.float32)}
+         "b": (rng.standard_normal(E) * 0.2).astype(np.float32),
+         "gub": (rng.standard_normal((E, _rows(cfg))) * 0.5).astype(np.float32),
+         "dnb": (rng.standard_normal((E, H)) * 0.5).astype(np.float32)}
     args = tuple(torch.from_numpy(v) for v in (*_feeds(5).values(), *w.values()))
     model = _export(_MoEInputs(cfg), args)
     assert not model.graph.initializer
     lowered, n = _lowered(model)
     assert n == 1
-    _check_structure(lowered)
+    _check_structure(lowered, cfg=cfg, biased=True)
     dense, sparse = _session(model), _session(lowered)
     names = [i.name for i in model.graph.input]
     for t in TOKENS:
@@ -196,14 +234,16 @@ def test_two_layers_and_external_data(tmp_path):
         assert _rel(sparse.run(None, feeds)[0], dense.run(None, feeds)[0]) < RTOL
 
 
-def test_float16_and_bfloat16():
+@pytest.mark.parametrize("variant", ["sigmoid_bias_norm_eps", "gpt_oss", "nemotron_h"])
+def test_float16_and_bfloat16(variant):
     """float16 lowers (ORT MoE has a float16 CPU kernel); bfloat16 has none and is left alone."""
-    cfg = VARIANTS["sigmoid_bias_norm_eps"]
-    module = _MoE(cfg, seed=9, dtype=torch.float16)
+    cfg = VARIANTS[variant]
+    biased = variant in BIASED
+    module = _MoE(cfg, seed=9, dtype=torch.float16, expert_biases=biased)
     model = _export(module, (torch.from_numpy(_feeds(5, np.float16)["h"]), torch.from_numpy(_feeds(5)["lg"])))
     lowered, n = _lowered(model)
     assert n == 1
-    _check_structure(lowered)
+    _check_structure(lowered, cfg=cfg, biased=biased)
     dense, sparse = _session(model), _session(lowered)
     for t in TOKENS:
         feeds = _feeds(t, np.float16)
@@ -216,6 +256,34 @@ def test_float16_and_bfloat16():
     before = bf16.SerializeToString()
     assert lower_moe_for_onnxruntime(bf16) == 0
     assert bf16.SerializeToString() == before
+
+
+def test_a_node_from_before_the_expert_biases_lowers():
+    """A five-input node without activation attributes (artifacts exported before the op had
+    them) lowers to the SwiGLU MoE with no biases, and computes the op with zero biases."""
+    cfg = VARIANTS["sigmoid_bias_norm_eps"]
+    rng = np.random.default_rng(3)
+    w = {"gu": (rng.standard_normal((E, 2 * I, H)) * 0.3).astype(np.float32),
+         "dn": (rng.standard_normal((E, H, I)) * 0.3).astype(np.float32),
+         "b": (rng.standard_normal(E) * 0.2).astype(np.float32)}
+    node = onnx.helper.make_node("MoE", ["h", "lg", *w], ["out"], domain=DOMAIN, top_k=cfg[0], scoring=cfg[1],
+                                 normalize=cfg[2], norm_eps=cfg[3], routed_scaling=cfg[4])
+    graph = onnx.helper.make_graph(
+        [node], "g", [onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["T", H]),
+                      onnx.helper.make_tensor_value_info("lg", onnx.TensorProto.FLOAT, ["T", E])],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["T", H])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in w.items()])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23),
+                                                         onnx.helper.make_opsetid(DOMAIN, 1)])
+    assert lower_moe_for_onnxruntime(model) == 1
+    _check_structure(model, cfg=cfg)
+    sess = _session(model)
+    R.register_torch_ops()
+    for t in TOKENS:
+        feeds = _feeds(t)
+        want = torch.ops.graphkiln.moe(*(torch.from_numpy(v) for v in (*feeds.values(), *w.values())),
+                                       torch.zeros(E, 2 * I), torch.zeros(E, H), *cfg)
+        assert _rel(sess.run(None, feeds)[0], want.numpy()) < RTOL
 
 
 def test_no_moe_is_a_no_op():
@@ -279,7 +347,7 @@ class _MRoPEAttention(torch.nn.Module):
         for i, window in enumerate(A_WINDOWS):
             out, nk, nv = torch.ops.graphkiln.attention(
                 x @ self.wq[i], x @ self.wk[i], x @ self.wv[i], states[2 * i], states[2 * i + 1], position_ids, cos,
-                sin, lookahead, A_NQ, A_NKV, window, A_D ** -0.5, 0, 1)
+                sin, lookahead, torch.zeros(A_NQ), A_NQ, A_NKV, window, A_D ** -0.5, 0, 1)  # no sinks
             x = x + out @ self.wo[i]
             new += [nk, nv]
         return (x, *new)

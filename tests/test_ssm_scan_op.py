@@ -7,9 +7,12 @@ Oracles: transformers' own scan functions (the chunked segment-sum path every pr
 the single-token update every decode step takes, NemotronH's copies, which GraniteMoeHybrid's
 and Bamba's equal) and a whole NemotronH Mamba-2 mixer rebuilt around the op from graphkiln's
 ShortConv; then ragged rows, slots and chained calls, each against the unpadded one-pass run.
+The pool is [slots, H, N, P]; transformers keeps [B, H, P, N], so its states are transposed
+where they are compared (N != P here, so a layout mix-up cannot pass).
 
-Until the integrator adds the op to ``graphkiln.ops.OP_MODULES`` the torch op is defined here
-under a test-only namespace, so ``opcheck`` can check the schema and ``fake``.
+The generic checks every registered op gets (export, schema, in-place mode) are in
+tests/test_custom_ops.py; the TensorRT kernel's in tests/test_trt_kernels_ssm_scan.py and the
+onnxruntime lowering's in tests/test_ort_ssm_scan.py.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def scan_inputs(gen, batch: int, seq: int, dtype=torch.float32, seq_lens=None, i
     return (_randn(gen, batch, seq, H, P, dtype=dtype), _randn(gen, batch, seq, H, dtype=dtype),
             -torch.exp(a_log), _randn(gen, batch, seq, G, N, dtype=dtype), _randn(gen, batch, seq, G, N, dtype=dtype),
             _randn(gen, H, dtype=dtype), _randn(gen, H, scale=1.5, dtype=dtype) - 1.0,
-            _randn(gen, SLOTS, H, P, N), slot_idx.to(index_dtype), lens.to(index_dtype))
+            _randn(gen, SLOTS, H, N, P), slot_idx.to(index_dtype), lens.to(index_dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,8 +62,8 @@ def scan_inputs(gen, batch: int, seq: int, dtype=torch.float32, seq_lens=None, i
 
 _ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.int32: 6}
 # symbolic dims per input and output (the function is shape-generic)
-_DIMS = dict(x="BSHP", dt="BSH", A="H", Bm="BSGN", Cm="BSGN", D="H", dt_bias="H", state_pool="THPN", slot_idx="B",
-             seq_lens="B", y="BSHP")
+_DIMS = dict(x="BSHP", dt="BSH", A="H", Bm="BSGN", Cm="BSGN", D="H", dt_bias="H", state_pool="THNP", slot_idx="B",
+             seq_lens="B", y="BSHP")  # the pool is [slots, H, N, P]
 
 
 def _model(dtypes: tuple, state_update: int, dt_min: float, dt_max: float):
@@ -77,7 +80,7 @@ def _model(dtypes: tuple, state_update: int, dt_min: float, dt_max: float):
     graph = helper.make_graph(
         [node], "ssm_scan",
         [helper.make_tensor_value_info(n, d, list(_DIMS[n])) for n, d in zip(spec.inputs, dtypes)],
-        [helper.make_tensor_value_info(n, d, list(_DIMS.get(n, "RHPN"))) for n, d in zip(spec.outputs, out_types)])
+        [helper.make_tensor_value_info(n, d, list(_DIMS.get(n, "RHNP"))) for n, d in zip(spec.outputs, out_types)])
     return helper.make_model(graph, functions=[function],
                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, spec.version)])
 
@@ -144,7 +147,7 @@ def test_matches_transformers_chunked_scan(face, dtype):
     chunk_scan, _ = _hf_scan_functions()
     seq, lo, hi = 8, 0.05, 1.5
     x, dt, a, bm, cm, d, dt_bias, pool, slot_idx, seq_lens = scan_inputs(_gen(1), 3, seq, dtype)
-    start = pool[slot_idx]
+    start = pool[slot_idx].transpose(2, 3)  # transformers' states are [B, H, P, N]
     with torch.no_grad():
         want_y, want_state = chunk_scan(x, dt, a, bm, cm, chunk_size=3, D=d, dt_bias=dt_bias, initial_states=start,
                                         dt_softplus=True, dt_limit=(lo, hi), return_final_states=True)
@@ -152,13 +155,13 @@ def test_matches_transformers_chunked_scan(face, dtype):
     assert (sp < lo).any() and (sp > hi).any(), "neither clamp is exercised: the test has no teeth"
     y, state = run(face, x, dt, a, bm, cm, d, dt_bias, pool, slot_idx, seq_lens, dt_min=lo, dt_max=hi)
     assert y.dtype == dtype and state.dtype == torch.float32
-    assert_close(state, want_state, what=f"{face} final state")
+    assert_close(state, want_state.transpose(2, 3), what=f"{face} final state")
     rounding = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # ours rounded to x's dtype
     assert_close(y, want_y, rel=rounding, what=f"{face} y")
     if dtype != torch.float32:  # rounding dt is what makes the states agree (~1e-4 apart without)
         unrounded = (x.float(), dt.float(), a, bm.float(), cm.float(), d.float(), dt_bias.float())
         _, state32 = ssm_scan.reference(*unrounded, pool, slot_idx, seq_lens, 0, lo, hi)
-        assert (state32 - want_state).abs().max() > 1e-5 * want_state.abs().max(), "the test has no teeth"
+        assert (state32 - want_state.transpose(2, 3)).abs().max() > 1e-5 * want_state.abs().max(), "no teeth"
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -167,14 +170,14 @@ def test_matches_transformers_single_token_update(face):
     the op runs with the defaults, which clamp nothing)."""
     _, state_update = _hf_scan_functions()
     x, dt, a, bm, cm, d, dt_bias, pool, slot_idx, seq_lens = scan_inputs(_gen(2), 3, 1)
-    hf_state = pool[slot_idx].clone()
+    hf_state = pool[slot_idx].transpose(2, 3).contiguous()  # transformers' [B, H, P, N]
     with torch.no_grad():
         want_y = state_update(hf_state, x[:, 0], dt[:, 0, :, None].expand(-1, -1, P),
                               a[:, None, None].expand(-1, P, N), bm[:, 0], cm[:, 0], d[:, None].expand(-1, P),
                               dt_bias=dt_bias[:, None].expand(-1, P), dt_softplus=True)
     y, state = run(face, x, dt, a, bm, cm, d, dt_bias, pool, slot_idx, seq_lens)
     assert_close(y[:, 0], want_y, what=f"{face} y")
-    assert_close(state, hf_state, what=f"{face} state")  # transformers updated hf_state in place
+    assert_close(state, hf_state.transpose(2, 3), what=f"{face} state")  # transformers updated hf_state in place
 
 
 def _hf_mixer():
@@ -206,7 +209,7 @@ class OpMixer:
         self.m, self.face = mixer, face
         self.conv_dim = mixer.conv_dim
         self.conv_pool = torch.zeros(SLOTS, self.conv_dim, mixer.conv_kernel_size - 1)
-        self.ssm_pool = torch.zeros(SLOTS, H, P, N)
+        self.ssm_pool = torch.zeros(SLOTS, H, N, P)
 
     def __call__(self, hidden, slot_idx, seq_lens, dt_min: float):
         m = self.m
@@ -248,7 +251,8 @@ def test_rebuilt_mixer_matches_transformers_nemotron_h(face):
             want = mixer(hidden[:, t:t + 1], cache=cache)  # transformers' recurrent (single-token) path
             assert_close(ours(hidden[:, t:t + 1], slot_idx, torch.ones(batch, dtype=torch.int64), 0.0), want,
                          what=f"{face} step {t}")
-        assert_close(ours.ssm_pool[slot_idx], cache.get_recurrent_state(0, state_idx=0), what=f"{face} ssm state")
+        assert_close(ours.ssm_pool[slot_idx], cache.get_recurrent_state(0, state_idx=0).transpose(2, 3),
+                     what=f"{face} ssm state")
         assert cache.get_recurrent_state(0, state_idx=0).dtype == torch.float32  # why the pool is fp32
 
 
@@ -352,6 +356,18 @@ def test_onnx_function_half_activations(dtype):
         assert_close(got[1], want[1], rel=1e-4, what="fp32 state")
 
 
+@pytest.mark.parametrize("face", FACES)
+def test_half_activations_with_the_default_dt_limits(face):
+    """fp16 cannot hold dt_max's default (the largest fp32): the op still runs at the defaults,
+    and equals a run with no upper limit that fits fp16 (none of these dt reach it)."""
+    inputs = scan_inputs(_gen(33), 2, 4, torch.float16, seq_lens=[4, 2])
+    y, state = run(face, *inputs)
+    want_y, want_state = ssm_scan.reference(*inputs, 0, 0.0, 6e4)
+    assert torch.isfinite(y).all() and torch.isfinite(state).all()
+    assert_close(y, want_y, rel=1e-3, what=f"{face} y")
+    assert_close(state, want_state, what=f"{face} state")
+
+
 def test_onnx_function_shape():
     """Standard ops only, a Scan over the tokens, and the spec's attributes (plugin ones too)."""
     fn = ssm_scan.onnx_function(OPSET)
@@ -367,21 +383,13 @@ def test_onnx_function_shape():
 
 
 # ----------------------------------------------------------------------------------------------
-# the torch face's registration: schema and fake (a test-only namespace until OP_MODULES has it)
-
-
-@cache
-def _test_op():
-    spec = ssm_scan.SPEC
-    qualname = f"graphkiln_ssm_test::{spec.torch_name}"
-    torch.library.define(qualname, spec.torch_schema())
-    torch.library.impl(qualname, "CompositeExplicitAutograd")(ssm_scan.reference)
-    torch.library.register_fake(qualname)(ssm_scan.fake)
-    return getattr(torch.ops.graphkiln_ssm_test, spec.torch_name).default
+# the torch face's registration: schema and fake
 
 
 def test_torch_schema_and_fake():
-    op = _test_op()
+    from graphkiln.ops import torch_op
+
+    op = torch_op("SsmScan")
     schema = str(op._schema)
     assert "int state_update=0, float dt_min=0., float dt_max=3.4028234663852886e+38" in schema, schema
     for state_update in (0, 1):

@@ -7,7 +7,7 @@ kernel implements in place. Cache rows no token may see (positions >= a row's st
 with a large poison value first, so a kernel that read them would be far off.
 
 AOT: every KernelSpec compiles to PTX for sm_80 and sm_90 in fp16, bf16 and fp32 with exactly
-(9 input pointers, 3 int32 scalars, 3 output pointers) — in a subprocess without
+(10 input pointers, 3 int32 scalars, 3 output pointers) — in a subprocess without
 TRITON_INTERPRET: once a kernel has run in the interpreter, Triton 3.2 has patched
 ``triton.language`` with the interpreter's builder for the rest of the process, and
 compiling anything there fails.
@@ -99,6 +99,10 @@ class Case:
     lookahead: str = "causal"
     blocks: tuple = ()
     rope_layout: int = 0  # 1: per-token cos/sin [B, S, D/2] at rotary positions unlike the cache's
+    # use_sinks: gpt-oss's per-head sink logits (random sinks [Nq] are passed either way: with 0
+    # the kernel must not read them); sink_shift moves them (large: the sinks dominate the max)
+    use_sinks: int = 0
+    sink_shift: float = 0.0
 
     @property
     def batch(self) -> int:
@@ -135,13 +139,14 @@ def _inputs(case: Case, dtype, seed: int):
             for first, end in blocks:
                 lookahead[row, first:end] = end - 1 - torch.arange(first, end)
         assert lookahead.any(), "a lookahead case must open some block"
-    return q, k, v, past_k, past_v, pos, cos, sin, lookahead
+    sinks = torch.randn(case.nq, generator=g) * 2.0 + case.sink_shift  # fp32, as the op takes them
+    return q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks
 
 
-def _expected(case: Case, q, k, v, past_k, past_v, pos, cos, sin, lookahead):
+def _expected(case: Case, q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks):
     """Reference out, and the cache with every new row scattered at its position (< C)."""
-    out, new_k, new_v = reference(q, k, v, past_k, past_v, pos, cos, sin, lookahead, case.nq, case.nkv, case.window,
-                                  case.d ** -0.5, rope_layout=case.rope_layout)
+    out, new_k, new_v = reference(q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks, case.nq, case.nkv,
+                                  case.window, case.d ** -0.5, rope_layout=case.rope_layout, use_sinks=case.use_sinks)
     want_k, want_v = past_k.clone(), past_v.clone()
     written = torch.zeros(past_k.shape[0], past_k.shape[2], dtype=torch.bool)
     for b in range(case.batch):
@@ -161,13 +166,17 @@ def _assert_close(got, want, rel: float, what: str) -> None:
     assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} * scale {scale:.3g}"
 
 
-def _check(case: Case, dtype, seed: int, kernel=None) -> None:
-    q, k, v, past_k, past_v, pos, cos, sin, lookahead = _inputs(case, dtype, seed)
-    want_out, want_k, want_v, written = _expected(case, q, k, v, past_k, past_v, pos, cos, sin, lookahead)
+def _check(case: Case, dtype, seed: int, kernel=None, out_in_fp32: bool = False) -> None:
+    """``out_in_fp32``: compare out with the reference run in fp32 on the same inputs (where
+    the dtype reference itself is off by more than the tolerance)."""
+    q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks = _inputs(case, dtype, seed)
+    want_out, want_k, want_v, written = _expected(case, q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks)
+    if out_in_fp32:
+        want_out = _expected(case, *(x.float() for x in (q, k, v, past_k, past_v)), pos, cos, sin, lookahead, sinks)[0]
     cache_k, cache_v = past_k.clone(), past_v.clone()  # present_* alias past_*: the kernel writes these
     out = run_attention(q, k, v, cache_k, cache_v, pos, cos, sin, case.nq, case.nkv, case.window, case.d ** -0.5,
-                        lookahead=lookahead, rope_layout=case.rope_layout, kernel=kernel, block_m=case.block_m,
-                        block_n=case.block_n)
+                        lookahead=lookahead, rope_layout=case.rope_layout, sinks=sinks, use_sinks=case.use_sinks,
+                        kernel=kernel, block_m=case.block_m, block_n=case.block_n)
     tol = TOL[dtype]
     lengths = case.lengths or (case.seq,) * case.batch
     for b, n in enumerate(lengths):  # padding tokens' outputs are not part of the contract
@@ -219,6 +228,47 @@ def test_lookahead_and_per_token_rotary_match_reference(name, dtype):
     _check(LOOKAHEAD_CASES[name], dtype, seed=6)
 
 
+# gpt-oss's attention sinks (use_sinks 1) on sliding and full layers, decode and ragged prefill
+# over query and key tiles; sinks of +12 dominate every row's max (the kernel folds them in after
+# the keys, so a sink above the keys' max must rescale what was accumulated)
+SINKS_CASES = {
+    "gqa-decode": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 17, 39), use_sinks=1),
+    "gqa3-window-decode-blocks": Case(nq=6, nkv=2, d=16, cache=70, window=20, starts=(69, 33, 2), block_n=16,
+                                      use_sinks=1),
+    "gqa-prefill-tiles": Case(nq=4, nkv=2, d=16, cache=40, window=0, starts=(0, 7, 30), seq=16, lengths=(16, 5, 9),
+                              block_m=4, block_n=16, use_sinks=1),
+    "mha-window-prefill": Case(nq=2, nkv=2, d=32, cache=32, window=5, starts=(3, 0), seq=12, lengths=(12, 7),
+                               block_m=4, block_n=16, use_sinks=1),
+    "gqa-window-dominant-sinks": Case(nq=4, nkv=2, d=16, cache=40, window=7, starts=(9, 25), seq=6, use_sinks=1,
+                                      sink_shift=12.0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("name", SINKS_CASES)
+def test_sinks_match_reference(name, dtype):
+    # Dominant sinks leave every key a probability ~1e-5, which the fp16/bf16 reference rounds
+    # (normalised) to subnormal or 8-bit precision, off from the exact value by more than the
+    # tolerance; the kernel rounds unnormalised probabilities, so it is checked against fp32.
+    case = SINKS_CASES[name]
+    _check(case, dtype, seed=8, out_in_fp32=case.sink_shift > 0 and dtype != torch.float32)
+
+
+def test_sinks_have_teeth():
+    """The sinks change out (so the reference check above can fail), and without use_sinks the
+    kernel ignores whatever the sinks input holds."""
+    case = SINKS_CASES["gqa-prefill-tiles"]
+    q, k, v, past_k, past_v, pos, cos, sin, lookahead, sinks = _inputs(case, torch.float32, 9)
+
+    def run(sinks, use_sinks):
+        return run_attention(q, k, v, past_k.clone(), past_v.clone(), pos, cos, sin, case.nq, case.nkv, 0, 0.25,
+                             sinks=sinks, use_sinks=use_sinks, block_m=4, block_n=16)
+
+    plain = run(None, 0)
+    assert (run(sinks, 1) - plain).abs().max() > 1e-2
+    assert torch.equal(run(torch.full_like(sinks, float("nan")), 0), plain)
+
+
 def test_decode_kernel_sees_ahead_for_any_seq_len():
     case = LOOKAHEAD_CASES["gqa-images-tiles"]
     _check(Case(**{**case.__dict__, "block_m": None}), torch.float32, seed=7, kernel=DECODE)
@@ -250,7 +300,7 @@ def test_prefill_kernel_is_correct_for_one_token():
 def test_poisoned_cache_would_be_seen():
     """The poison test has teeth: making the poison visible (start past it) changes out."""
     case = DECODE_CASES["gqa"]
-    q, k, v, past_k, past_v, pos, cos, sin, _ = _inputs(case, torch.float32, 5)
+    q, k, v, past_k, past_v, pos, cos, sin, _, _ = _inputs(case, torch.float32, 5)
     out = run_attention(q, k, v, past_k.clone(), past_v.clone(), pos, cos, sin, case.nq, case.nkv, 0, 0.25)
     later = pos + 1  # now cache position start (poisoned) is < start and visible
     cos2, sin2 = _tables(int(later.max()) + 1, case.d)
@@ -317,6 +367,8 @@ def test_launch_plan_chooses_by_seq_len():
     ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"dtype": "int8"}, "dtype int8"),
     ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"block_m": 3}, "block_m 3"),
     ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"block_n": 8}, "block_n 8"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"use_sinks": 1, "sinks_shape": (2,)}, r"sinks has shape"),
+    ((4, 2, 0, 0.25, (2, 1, 64), (2, 2, 8, 16), (8, 8)), {"use_sinks": 2}, "use_sinks 2"),
 ])
 def test_launch_plan_refuses(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -339,8 +391,9 @@ cases, dtypes, large_d = json.loads(sys.argv[1])
 rows = []
 def compile_one(spec, nq, nkv, d, window, dtype, arch, variant=False):
     s = 1 if spec is DECODE else 16
-    # variant: a lookahead graph input [B, S] and per-token rotary [B, S, D/2] (Gemma3, Qwen2.5-VL)
-    extra = dict(lookahead_shape=(2, s), rope_layout=1) if variant else {}
+    # variant: a lookahead graph input [B, S] and per-token rotary [B, S, D/2] (Gemma3, Qwen2.5-VL),
+    # with attention sinks (gpt-oss)
+    extra = dict(lookahead_shape=(2, s), rope_layout=1, use_sinks=1, sinks_shape=(nq,)) if variant else {}
     plan = launch_plan(nq, nkv, window, d ** -0.5, (2, s, nq * d), (2, nkv, 64, d),
                        (2, s, d // 2) if variant else (128, d // 2), dtype=dtype, kernel=spec, **extra)
     ck = aot.compile_kernel(spec, dtype, plan.constexprs, arch, plan.num_warps)
@@ -395,7 +448,7 @@ def test_kernel_specs_match_the_op():
 def test_compiles_with_tensorrt_abi(compiled, kernel, dtype, arch):
     key = (kernel, dtype, arch, AOT_CASES[kernel][2], False)
     (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["arch"], r["d"], r["variant"]) == key]
-    assert row["params"] == row["expected"] == [".u64"] * 9 + [".u32"] * 3 + [".u64"] * 3
+    assert row["params"] == row["expected"] == [".u64"] * 10 + [".u32"] * 3 + [".u64"] * 3
     assert row["target"] and row["threads"] == 128 and row["shared"] <= 48 * 1024
 
 
@@ -409,8 +462,8 @@ def test_real_head_dim_fits_default_shared_memory(compiled, kernel, dtype):
 
 @pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
 def test_lookahead_input_and_per_token_rotary_compile_with_tensorrt_abi(compiled, kernel):
-    """The constexpr branches the interpreter tests run (indexed lookahead, rope_layout 1)
-    compile too, with the same launch ABI."""
+    """The constexpr branches the interpreter tests run (indexed lookahead, rope_layout 1,
+    sinks) compile too, with the same launch ABI."""
     (row,) = [r for r in compiled if r["kernel"] == kernel and r["variant"]]
-    assert row["params"] == row["expected"] == [".u64"] * 9 + [".u32"] * 3 + [".u64"] * 3
+    assert row["params"] == row["expected"] == [".u64"] * 10 + [".u32"] * 3 + [".u64"] * 3
     assert row["target"] and row["shared"] <= 48 * 1024

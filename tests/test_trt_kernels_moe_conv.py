@@ -33,6 +33,7 @@ STYLES = {
     "mixtral": (0, 1, 0.0, 1.0, False),  # softmax, renormalised top-k (Qwen3-MoE with norm_topk_prob)
     "softmax_raw": (0, 0, 0.0, 1.0, False),  # softmax, weights not renormalised
     "lfm2": (1, 1, 1e-6, 2.5, True),  # sigmoid, bias for selection only, eps, routed scaling
+    "nemotron_h": (1, 1, 1e-20, 2.5, True),  # sigmoid + e_score_correction_bias, eps 1e-20, scaling
 }
 
 # (style, T, E, H, I, top_k, tactic): decode T = 1 and 3, prefill-sized T = 20 (one 64-token
@@ -53,6 +54,20 @@ MOE_CASES = [
 ]
 
 
+# (style, T, E, H, I, top_k, tactic, activation, limit) with random expert biases: relu²
+# (gate_up has I rows) and the clamped SwiGLU with a limit that binds; decode, ragged prefill
+# and the decode tiles on a prefill-sized T.
+MOE_ACT_CASES = [
+    ("nemotron_h", 1, 8, 32, 32, 2, None, 1, 7.0),
+    ("nemotron_h", 3, 6, 160, 80, 4, None, 1, 7.0),
+    ("nemotron_h", 20, 8, 80, 48, 2, None, 1, 7.0),
+    ("mixtral", 1, 8, 32, 32, 2, None, 2, 0.7),
+    ("mixtral", 3, 4, 160, 80, 2, None, 2, 0.7),
+    ("mixtral", 20, 8, 80, 48, 4, "decode", 2, 0.7),
+    ("lfm2", 20, 8, 32, 48, 2, None, 0, 7.0),  # SwiGLU with expert biases
+]
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     err = (got.double() - want.double()).abs().max().item()
@@ -60,14 +75,20 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
     assert err <= TOL[dtype] * scale, f"max |err| {err:.3g} vs max |ref| {scale:.3g} ({dtype})"
 
 
-def _moe_inputs(seed: int, t: int, e: int, h: int, i: int, style: str, dtype: torch.dtype):
+def _moe_inputs(seed: int, t: int, e: int, h: int, i: int, style: str, dtype: torch.dtype, activation: int = 0,
+                expert_biases: bool = False):
+    """hidden, logits, gate_up, down, expert_bias, gate_up_bias, down_bias (zeros unless
+    ``expert_biases``); gate_up has I rows per expert for relu² (activation 1), else 2I."""
     g = torch.Generator().manual_seed(seed)
+    f = moe_op.gate_up_rows(i, activation)
     hidden = torch.randn(t, h, generator=g).to(dtype)
     logits = (2 * torch.randn(t, e, generator=g)).to(dtype)
-    gate_up = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dtype)
+    gate_up = (torch.randn(e, f, h, generator=g) / h ** 0.5).to(dtype)
     down = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(dtype)
     bias = 0.3 * torch.randn(e, generator=g) if STYLES[style][4] else torch.zeros(e)
-    return hidden, logits, gate_up, down, bias
+    gate_up_bias, down_bias = (0.5 * torch.randn(e, n, generator=g) if expert_biases else torch.zeros(e, n)
+                               for n in (f, h))
+    return hidden, logits, gate_up, down, bias, gate_up_bias.to(dtype), down_bias.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,33 +101,48 @@ def test_moe_matches_reference(style, t, e, h, i, top_k, tactic, dtype):
     _close(got, moe_op.reference(*args, *attrs), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style,t,e,h,i,top_k,tactic,activation,limit", MOE_ACT_CASES)
+def test_moe_activations_and_expert_biases_match_reference(style, t, e, h, i, top_k, tactic, activation, limit,
+                                                           dtype):
+    scoring, normalize, eps, scaling, _ = STYLES[style]
+    args = _moe_inputs(t * 100 + e * 10 + top_k, t, e, h, i, style, DTYPES[dtype], activation, expert_biases=True)
+    if activation == 2:  # the limit must bind on gate and on up for the clamps to be tested
+        y = torch.einsum("th,efh->tef", args[0].float(), args[2].float()) + args[5].float()
+        assert (y[..., :i] > limit).any() and (y[..., i:].abs() > limit).any()
+    attrs = (top_k, scoring, normalize, eps, scaling, activation, 1.702, limit)
+    got = moe_k.run_moe(*args, *attrs, tactic=tactic)
+    _close(got, moe_op.reference(*args, *attrs), dtype)
+
+
 def test_moe_expert_bias_changes_selection_not_weights():
     """The LFM2 cases only test the bias if it changes which experts win; and the weights of
     a biased pick must still be its unbiased score (a kernel weighting by score + bias fails)."""
     scoring, normalize, eps, scaling, _ = STYLES["lfm2"]
-    hidden, logits, gate_up, down, bias = _moe_inputs(7, 20, 8, 32, 32, "lfm2", torch.float32)
+    hidden, logits, gate_up, down, bias, gub, dnb = _moe_inputs(7, 20, 8, 32, 32, "lfm2", torch.float32)
     _, with_bias = moe_op.routing(logits, bias, 2, scoring, normalize, eps, scaling)
     _, without = moe_op.routing(logits, torch.zeros_like(bias), 2, scoring, normalize, eps, scaling)
     assert not torch.equal(with_bias.sort(-1).values, without.sort(-1).values)
     strong = bias * 10  # large enough to override the scores
-    got = moe_k.run_moe(hidden, logits, gate_up, down, strong, 2, scoring, normalize, eps, scaling)
-    _close(got, moe_op.reference(hidden, logits, gate_up, down, strong, 2, scoring, normalize, eps, scaling), "float32")
+    got = moe_k.run_moe(hidden, logits, gate_up, down, strong, gub, dnb, 2, scoring, normalize, eps, scaling)
+    want = moe_op.reference(hidden, logits, gate_up, down, strong, gub, dnb, 2, scoring, normalize, eps, scaling)
+    _close(got, want, "float32")
 
 
-@pytest.mark.parametrize("poisoned", ["gate_up", "down"])
+@pytest.mark.parametrize("poisoned", ["gate_up", "down", "gate_up_bias", "down_bias"])
 @pytest.mark.parametrize("t,tactic", [(1, None), (3, None), (20, None), (20, "decode")])
 def test_moe_never_reads_an_unrouted_expert(t, tactic, poisoned):
     """NaN weights in an expert no token picks must not reach the output: a kernel that runs
     every expert on every token and multiplies the unrouted ones by 0 gives NaN."""
     style, e, h, i, top_k = "mixtral", 8, 32, 32, 2
     scoring, normalize, eps, scaling, _ = STYLES[style]
-    hidden, logits, gate_up, down, bias = _moe_inputs(11 + t, t, e, h, i, style, torch.float32)
+    args = _moe_inputs(11 + t, t, e, h, i, style, torch.float32, expert_biases=True)
+    hidden, logits, gate_up, down, bias, gub, dnb = args
     logits[:, 3] = -30.0  # expert 3 is never in any token's top 2
-    {"gate_up": gate_up, "down": down}[poisoned][3] = float("nan")
-    got = moe_k.run_moe(hidden, logits, gate_up, down, bias, top_k, scoring, normalize, eps, scaling, tactic=tactic)
+    {"gate_up": gate_up, "down": down, "gate_up_bias": gub, "down_bias": dnb}[poisoned][3] = float("nan")
+    got = moe_k.run_moe(*args, top_k, scoring, normalize, eps, scaling, tactic=tactic)
     assert torch.isfinite(got).all()
-    _close(got, moe_op.reference(hidden, logits, gate_up, down, bias, top_k, scoring, normalize, eps, scaling),
-           "float32")
+    _close(got, moe_op.reference(*args, top_k, scoring, normalize, eps, scaling), "float32")
 
 
 # (B, S, C, K, seq_lens, slot_idx, tactic): decode S = 1 (len 1 < K-1 shifts old state columns;
@@ -246,6 +282,12 @@ plans = {
     "moe/prefill": lambda dtype: moe.launch_plan(
         (300, 256), (300, 16), (16, 256, 256), (16, 256, 128), top_k=8, scoring=0, normalize=1,
         norm_eps=0.0, routed_scaling=1.0, dtype=dtype, tactic="prefill"),
+    "moe/relu2": lambda dtype: moe.launch_plan(
+        (3, 256), (3, 16), (16, 128, 256), (16, 256, 128), top_k=8, scoring=1, normalize=1, norm_eps=1e-20,
+        routed_scaling=2.5, activation=1, dtype=dtype, tactic="decode"),
+    "moe/clamped": lambda dtype: moe.launch_plan(
+        (300, 256), (300, 16), (16, 256, 256), (16, 256, 128), top_k=4, scoring=0, normalize=1,
+        norm_eps=0.0, routed_scaling=1.0, activation=2, alpha=1.702, limit=7.0, dtype=dtype, tactic="prefill"),
     "short_conv/decode": lambda dtype: short_conv.launch_plan((4, 1, 1024), (1024, 4), (9, 1024, 3), channels=1024,
                                                               state_update=1),
 }
@@ -253,7 +295,7 @@ plans = {
 # fp32, where shared memory is largest
 builds = [(n, d, a) for n in ("moe/decode", "short_conv/decode") for d in ("float16", "bfloat16", "float32")
           for a in aot.ARCHS]
-builds += [("moe/prefill", "float32", 80)]
+builds += [("moe/prefill", "float32", 80), ("moe/relu2", "bfloat16", 90), ("moe/clamped", "float32", 80)]
 out = []
 for name, dtype, arch in builds:
     plan = plans[name](dtype)
@@ -297,7 +339,7 @@ def test_kernels_compile_ahead_of_time_with_the_tensorrt_abi(aot_builds):
         assert b["params"] == b["want"], where
         assert b["target"] and b["entry"].endswith("_kernel"), where
         assert b["shared"] <= 48 * 1024, where
-    assert aot.expected_params(moe_k.MOE) == (".u64",) * 5 + (".u32",) + (".u64",)
+    assert aot.expected_params(moe_k.MOE) == (".u64",) * 7 + (".u32",) + (".u64",)
     assert aot.expected_params(conv_k.SHORT_CONV) == (".u64",) * 6 + (".u32",) + (".u64",) * 2
 
 

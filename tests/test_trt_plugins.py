@@ -34,8 +34,9 @@ from graphkiln.plugins_trt import rules
 from graphkiln.plugins_trt.kernels import aot
 
 OPS = tuple(sorted(specs()))
-KERNEL_MODULES = {"Attention": "attention", "MoE": "moe", "ShortConv": "short_conv", "GatedDeltaRule": "gated_delta"}
-IN_PLACE_OPS = ["Attention", "ShortConv", "GatedDeltaRule"]
+KERNEL_MODULES = {"Attention": "attention", "MoE": "moe", "ShortConv": "short_conv", "GatedDeltaRule": "gated_delta",
+                  "SsmScan": "ssm_scan"}
+IN_PLACE_OPS = ["Attention", "ShortConv", "GatedDeltaRule", "SsmScan"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_a_spec_change_shows_up_in_the_plugin(name, change):
     elif change == "namespace":
         new = dataclasses.replace(spec, plugin_namespace="othernamespace")
     elif change == "new_float_attr":
-        new = dataclasses.replace(spec, attributes=spec.attributes + (AttrSpec("alpha", "float"),))
+        new = dataclasses.replace(spec, attributes=spec.attributes + (AttrSpec("new_float_knob", "float"),))
     elif change == "new_string_attr":
         new = dataclasses.replace(spec, attributes=spec.attributes + (AttrSpec("mode_name", "string"),))
     elif change == "drop_attr":
@@ -248,13 +249,14 @@ B, S_PREFILL, NQ, NKV, D, CACHE = 3, 7, 4, 2, 16, 32
 CH, K, SLOTS = 8, 4, 5
 T, H, E, I = 6, 16, 4, 8
 GHK, GHV, GDK, GDV = 2, 4, 8, 6  # GatedDeltaRule: q/k heads, value heads, key / value head dims
+SH, SP, SG, SN = 6, 3, 2, 5  # SsmScan: heads, head dim, groups, state size
 
 
 def _attention_shapes(b, s):
-    """A text model's node: rotary tables, a constant zero lookahead [1, 1]."""
+    """A text model's node: rotary tables, a constant zero lookahead [1, 1], sinks [Nq]."""
     return {"q": (b, s, NQ * D), "k": (b, s, NKV * D), "v": (b, s, NKV * D), "past_key": (b, NKV, CACHE, D),
             "past_value": (b, NKV, CACHE, D), "position_ids": (b, s), "cos_cache": (64, D // 2),
-            "sin_cache": (64, D // 2), "lookahead": (1, 1)}
+            "sin_cache": (64, D // 2), "lookahead": (1, 1), "sinks": (NQ,)}
 
 
 def _short_conv_shapes(b, s):
@@ -267,19 +269,28 @@ def _gated_delta_shapes(b, s):
             "beta": (b, s, GHV), "state_pool": (SLOTS, GHV, GDK, GDV), "slot_idx": (b,), "seq_lens": (b,)}
 
 
+def _ssm_scan_shapes(b, s):
+    return {"x": (b, s, SH, SP), "dt": (b, s, SH), "A": (SH,), "Bm": (b, s, SG, SN), "Cm": (b, s, SG, SN),
+            "D": (SH,), "dt_bias": (SH,), "state_pool": (SLOTS, SH, SN, SP), "slot_idx": (b,), "seq_lens": (b,)}
+
+
 def _state_shapes(name, b, s):
     return {"Attention": _attention_shapes, "ShortConv": _short_conv_shapes,
-            "GatedDeltaRule": _gated_delta_shapes}[name](b, s)
+            "GatedDeltaRule": _gated_delta_shapes, "SsmScan": _ssm_scan_shapes}[name](b, s)
 
 
 def _moe_shapes(t):
-    return {"hidden": (t, H), "router_logits": (t, E), "gate_up": (E, 2 * I, H), "down": (E, H, I), "expert_bias": (E,)}
+    return {"hidden": (t, H), "router_logits": (t, E), "gate_up": (E, 2 * I, H), "down": (E, H, I), "expert_bias": (E,),
+            "gate_up_bias": (E, 2 * I), "down_bias": (E, H)}
 
 
 def _attrs(name, mode=None):
     base = {"Attention": {"num_heads": NQ, "num_kv_heads": NKV, "window": 0, "scale": D ** -0.5},
-            "MoE": {"top_k": 2, "scoring": 0, "normalize": 1, "norm_eps": 1e-6, "routed_scaling": 1.0},
-            "ShortConv": {"channels": CH}, "GatedDeltaRule": {"scale": GDK ** -0.5}}[name]
+            # activation 2 (gpt-oss), the one that reads alpha and limit
+            "MoE": {"top_k": 2, "scoring": 0, "normalize": 1, "norm_eps": 1e-6, "routed_scaling": 1.0,
+                    "activation": 2, "alpha": 1.702, "limit": 7.0},
+            "ShortConv": {"channels": CH}, "GatedDeltaRule": {"scale": GDK ** -0.5},
+            "SsmScan": {"dt_min": 0.01, "dt_max": 4.0}}[name]
     if mode is not None:
         base[_defn(name).in_place.attr] = mode
     return base
@@ -292,6 +303,8 @@ SHAPE_CASES = [
     ("ShortConv", "prefill", _short_conv_shapes(2, S_PREFILL)),
     ("GatedDeltaRule", "decode", _gated_delta_shapes(B, 1)),
     ("GatedDeltaRule", "prefill", _gated_delta_shapes(2, S_PREFILL)),
+    ("SsmScan", "decode", _ssm_scan_shapes(B, 1)),
+    ("SsmScan", "prefill", _ssm_scan_shapes(2, S_PREFILL)),
     ("MoE", "decode", _moe_shapes(B)),
     ("MoE", "prefill", _moe_shapes(2 * S_PREFILL)),
 ]
@@ -329,7 +342,7 @@ def test_in_place_mode_aliases_state_outputs_to_their_inputs(name, phase, shapes
     out = rules.output_rules(d, shapes, attrs)
     aliased = {r.name: r.aliased_to for r in out if r.aliased_to}
     assert sorted(aliased.values()) == sorted({"Attention": ["past_key", "past_value"], "ShortConv": ["state_pool"],
-                                               "GatedDeltaRule": ["state_pool"]}[name])
+                                               "GatedDeltaRule": ["state_pool"], "SsmScan": ["state_pool"]}[name])
     for r in out:
         if r.aliased_to:
             assert r.shape == shapes[r.aliased_to] and r.dtype_from == r.aliased_to and r.like is None
@@ -427,7 +440,9 @@ def test_shape_rules_only_pass_symbolic_dims_on(name, phase, shapes, mode):
 @pytest.mark.parametrize("name,bad", [("Attention", {"q": (2, 3)}), ("Attention", {"past_key": (2, 2, 4)}),
                                       ("ShortConv", {"state_pool": (4, 8)}), ("Attention", {"missing": None}),
                                       ("GatedDeltaRule", {"state_pool": (4, 8, 6)}),
-                                      ("GatedDeltaRule", {"v": (2, 3, 24)})])
+                                      ("GatedDeltaRule", {"v": (2, 3, 24)}),
+                                      ("SsmScan", {"state_pool": (4, SH, SN * SP)}),
+                                      ("SsmScan", {"x": (2, 3, SH * SP)})])
 def test_wrong_ranks_or_missing_shapes_are_refused(name, bad):
     shapes = _state_shapes(name, 2, 3)
     if "missing" in bad:
@@ -458,9 +473,11 @@ def test_autotune_offers_each_activation_dtype_with_ids_and_tables_fixed(name):
     d = _defn(name)
     combos = _expand(rules.autotune_types(d))
     assert len(combos) == len(rules.ACTIVATION_DTYPES)
-    fixed = {"Attention": {"position_ids": "INT64", "cos_cache": "FP32", "sin_cache": "FP32", "lookahead": "INT64"},
+    fixed = {"Attention": {"position_ids": "INT64", "cos_cache": "FP32", "sin_cache": "FP32", "lookahead": "INT64",
+                           "sinks": "FP32"},
              "ShortConv": {"slot_idx": "INT64", "seq_lens": "INT64"}, "MoE": {"expert_bias": "FP32"},
-             "GatedDeltaRule": {"g": "FP32", "beta": "FP32", "slot_idx": "INT64", "seq_lens": "INT64"}}[name]
+             "GatedDeltaRule": {"g": "FP32", "beta": "FP32", "slot_idx": "INT64", "seq_lens": "INT64"},
+             "SsmScan": {"A": "FP32", "D": "FP32", "dt_bias": "FP32", "slot_idx": "INT64", "seq_lens": "INT64"}}[name]
     positions = list(d.inputs) + [f"out:{o}" for o in d.outputs]
     for act, combo in zip(rules.ACTIVATION_DTYPES, combos):
         want = {p: fixed.get(p, TRT[act]) for p in positions}
@@ -538,7 +555,8 @@ def test_autotune_dtypes_are_what_the_exported_model_feeds_the_ops(dtype, expert
     with torch.no_grad(), Record():
         model(ids, pos, torch.zeros(b, 1, dtype=torch.int64), torch.full((b,), s), torch.tensor([2, 0]), past,
               past.clone(), pool, *gd_pools)
-    assert set(seen) == set(OPS)
+    # SsmScan is checked once this decoder has a mamba layer (the Mamba-2 model code is in progress)
+    assert set(seen) <= set(OPS) and set(OPS) - set(seen) <= {"SsmScan"}, sorted(set(OPS) - set(seen))
     act = str(dtype).removeprefix("torch.")
     for name, got in seen.items():
         want = rules.io_dtypes(_defn(name), act)
@@ -552,6 +570,12 @@ def test_autotune_dtypes_are_what_the_exported_model_feeds_the_ops(dtype, expert
             # g is computed in fp32 (what the kernel reads); beta in the model dtype, which the
             # TensorRT lowering casts to fp32 (tests/test_trt_target.py)
             assert got[:4] == want[:4] and got[5:] == want[5:] and got[4] == act
+            continue
+        if name == "SsmScan" and dtype != torch.float32:
+            # A, D and dt_bias may be parameters in the model dtype, which the TensorRT lowering
+            # casts to fp32 (trt_target.FP32_INPUTS, exact); every other position must match
+            cast = {_defn(name).inputs.index(n) for n in ("A", "D", "dt_bias")}
+            assert all(g == w or (i in cast and g == act) for i, (g, w) in enumerate(zip(got, want))), got
             continue
         assert got == want, name
 
@@ -640,6 +664,7 @@ def _plan_shapes(name, phase):
     return {"Attention": {"decode": _attention_shapes(2, 1), "prefill": _attention_shapes(2, 5)},
             "ShortConv": {"decode": _short_conv_shapes(2, 1), "prefill": _short_conv_shapes(2, 5)},
             "GatedDeltaRule": {"decode": _gated_delta_shapes(2, 1), "prefill": _gated_delta_shapes(2, 5)},
+            "SsmScan": {"decode": _ssm_scan_shapes(2, 1), "prefill": _ssm_scan_shapes(2, 5)},
             "MoE": {"decode": _moe_shapes(2), "prefill": _moe_shapes(20)}}[name][phase]
 
 
@@ -667,12 +692,16 @@ def _symbolic(shapes, constant=()):
 # Dims that are build-time constants in any engine: weights and the head dim / channel count.
 STATIC = {
     "Attention": {("q", 2), ("k", 2), ("v", 2), ("past_key", 1), ("past_key", 3), ("past_value", 1),
-                  ("past_value", 3), ("cos_cache", 1), ("sin_cache", 1), ("lookahead", 0), ("lookahead", 1)},
+                  ("past_value", 3), ("cos_cache", 1), ("sin_cache", 1), ("lookahead", 0), ("lookahead", 1),
+                  ("sinks", 0)},
     "MoE": {("hidden", 1), ("router_logits", 1), ("gate_up", 0), ("gate_up", 1), ("gate_up", 2), ("down", 0),
-            ("down", 1), ("down", 2), ("expert_bias", 0)},
+            ("down", 1), ("down", 2), ("expert_bias", 0), ("gate_up_bias", 0), ("gate_up_bias", 1),
+            ("down_bias", 0), ("down_bias", 1)},
     "ShortConv": {("x", 2), ("weight", 0), ("weight", 1), ("bias", 0), ("state_pool", 1), ("state_pool", 2)},
     "GatedDeltaRule": {("q", 2), ("q", 3), ("k", 2), ("k", 3), ("v", 2), ("v", 3), ("g", 2), ("beta", 2),
                        ("state_pool", 1), ("state_pool", 2), ("state_pool", 3)},
+    "SsmScan": {("x", 2), ("x", 3), ("dt", 2), ("A", 0), ("Bm", 2), ("Bm", 3), ("Cm", 2), ("Cm", 3), ("D", 0),
+                ("dt_bias", 0), ("state_pool", 1), ("state_pool", 2), ("state_pool", 3)},
 }
 
 PLAN_CASES = [(n, p) for n in OPS for p in ("decode", "prefill")]
@@ -889,7 +918,7 @@ def _inputs(shapes, dtype, gen):
             out[n] = torch.tensor([4, 1])[: s[0]].to(torch.int64)
         elif n == "seq_lens":
             out[n] = torch.full((s[0],), 1, dtype=torch.int64)
-        elif n in ("cos_cache", "sin_cache", "expert_bias", "g", "beta"):
+        elif n in ("cos_cache", "sin_cache", "sinks", "expert_bias", "g", "beta", "A", "D", "dt_bias"):
             out[n] = torch.randn(s, generator=gen)
         else:
             out[n] = (torch.randn(s, generator=gen) * 0.5).to(dtype)

@@ -274,6 +274,12 @@ def _lookahead_as_int32(m):
     node.input[8] = "lookahead.i32"
 
 
+def _sinks_as_fp16(m):
+    node = _attention(m)
+    m.graph.node.append(helper.make_node("Cast", [node.input[9]], ["sinks.f16"], to=TensorProto.FLOAT16))
+    node.input[9] = "sinks.f16"
+
+
 def _cast_to_double(m):
     m.graph.node.append(helper.make_node("Cast", ["position_ids"], ["as_double"], to=TensorProto.DOUBLE))
 
@@ -307,12 +313,13 @@ BREAKS = {
                       "attribute 'num_heads' is missing"),
     "field_type": (lambda m: _set(_attention(m), "scale", 1), "graphkiln.Attention", "attribute 'scale' must be float"),
     "unknown_op": (lambda m: setattr(_attention(m), "op_type", "Mamba"), "graphkiln.Mamba", "is not a graphkiln op"),
-    "extra_input": (lambda m: _attention(m).input.append("position_ids"), "graphkiln.Attention", "has 10 inputs"),
+    "extra_input": (lambda m: _attention(m).input.append("position_ids"), "graphkiln.Attention", "has 11 inputs"),
     "rope_layout": (lambda m: _set(_attention(m), "rope_layout", 2), "graphkiln.Attention", "rope_layout is 2"),
     # layout 1 reads per-token cos/sin [B, S, D/2]; the graph still feeds the [P, D/2] tables
     "rope_layout_rank": (lambda m: _set(_attention(m), "rope_layout", 1), "graphkiln.Attention",
                          "with rope_layout 1 the plugin takes rank 3"),
     "lookahead_type": (_lookahead_as_int32, "graphkiln.Attention", "input lookahead ('lookahead.i32') is INT32"),
+    "sinks_type": (_sinks_as_fp16, "graphkiln.Attention", "input sinks ('sinks.f16') is FLOAT16"),
     "domain_version": (_domain_version, ("graphkiln.Attention", "graphkiln.ShortConv"), "at version 2"),
     # other domains and standard ops
     "contrib_op": (_std_into_ms, "com.microsoft.SimplifiedLayerNormalization", "onnxruntime contrib op"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.manifest import GraphSpec, StageSpec, StateSpec, TensorSpec
+from graphkiln.manifest import GraphSpec, StateSpec, TensorSpec
 
 HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_OUT = "hidden_states_out"  # the output's name (role hidden_states)
@@ -186,10 +186,9 @@ def make_plan(decoder, stages: int | None, ranges: tuple) -> StagePlan:
 
 
 def _module_class():
-    import torch
     from torch import nn
 
-    from graphkiln.models.decoder import DecoderForExport, scatter_vision_rows
+    from graphkiln.models.decoder import DecoderForExport, embed, head, scatter_vision_rows
 
     class StageForExport(nn.Module):
         """Layers [start, end) of a ``DecoderForExport``, sharing its parameters (no copies in
@@ -211,7 +210,7 @@ def _module_class():
             self.return_hidden_states = last and decoder.return_hidden_states
             self.specs = [decoder.cfg.layers[i] for i in range(start, end)]
             self.has_attention = any(s.mixer == "attention" for s in self.specs)
-            self.has_conv = any(s.mixer != "attention" for s in self.specs)
+            self.has_conv = any(decoder.cfg.slot_states(i) for i in range(start, end))
             self.rope_flavors = sorted({s.rope for s in self.specs if s.mixer == "attention"})
             for name in self.rope_flavors:
                 cos, sin = decoder.rope_tables(name)
@@ -226,9 +225,7 @@ def _module_class():
             if self.last:
                 logits_index, rest = rest[0], rest[1:]
             if self.first:
-                x = self.model.embed_tokens(first_input)
-                if cfg.embed_scale is not None:  # as DecoderForExport.forward: rounded to the model dtype first
-                    x = x * torch.tensor(cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+                x = embed(cfg, self.model.embed_tokens, first_input)
                 if cfg.vision_seam:
                     x = scatter_vision_rows(x, rest[0], rest[1])
                     rest = rest[2:]
@@ -245,23 +242,17 @@ def _module_class():
             # the decoder's own rope helper (M-RoPE included), over this module's tables
             rope = {name: DecoderForExport._rope(self, name, rope_position_ids) for name in self.rope_flavors}
             new_states, off = [], 0
-            for i, (spec, layer) in zip(range(self.start, self.end), zip(self.specs, self.model.layers.values())):
-                arity = 2 if spec.mixer == "attention" else len(cfg.slot_states(i))
+            for i, layer in zip(range(self.start, self.end), self.model.layers.values()):
+                arity = cfg.state_arity(i)
                 x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead)
                 off += arity
                 new_states += new
             if not self.last:
                 return (x, *new_states)
-            index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
-            x = torch.gather(x, 1, index)
-            hidden = self.model.norm(x)
-            logits = self.lm_head(hidden)
-            if cfg.final_logit_softcap is not None:
-                cap = cfg.final_logit_softcap
-                logits = torch.tanh(logits / cap) * cap
+            logits, hidden = head(cfg, self.model.norm, self.lm_head, x, logits_index)
             if self.return_hidden_states:  # as DecoderForExport.forward: right after the logits
-                return (logits.to(torch.float32), hidden, *new_states)
-            return (logits.to(torch.float32), *new_states)
+                return (logits, hidden, *new_states)
+            return (logits, *new_states)
 
     return StageForExport
 
@@ -276,7 +267,7 @@ def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str,
     full_ins, full_outs = decoder_io(cfg, dtype, hidden_states and last)
     specs = cfg.layers[start:end]
     has_attention = any(s.mixer == "attention" for s in specs)
-    has_conv = any(s.mixer != "attention" for s in specs)
+    has_conv = any(cfg.slot_states(i) for i in range(start, end))
     hidden = TensorSpec(HIDDEN_STATES, dtype, ("batch", "seq", cfg.hidden_size), HIDDEN_STATES)
     ins = [full_ins[0] if first else hidden, full_ins[1]]
     if last:
@@ -345,34 +336,6 @@ def _trace_stage(module, cfg, ins: list[TensorSpec], outs: list[TensorSpec], ops
                              f"{str(exc).splitlines()[0][:200]}): report this with the checkpoint's config.json") from exc
 
 
-def stage_graph_name(k: int) -> str:
-    return f"stage{k}"
-
-
-@dataclass(frozen=True)
-class ExportedStages:
-    """What ``export_stages`` wrote: the stage graphs (in order), per stage (graph name, layer
-    range, its files, tied-head copy), the custom ops used, and the plan."""
-
-    graphs: tuple[GraphSpec, ...]
-    stages: tuple[tuple, ...]
-    custom_ops: list
-    plan: StagePlan
-
-    def with_first_stage_files(self, files: tuple[str, ...]) -> "ExportedStages":
-        """These stages with ``files`` (a VLM's vision graph and data) also owned by stage 0: the
-        process running the first stage, which takes the vision seam, runs the vision graph too."""
-        import dataclasses
-
-        name, layers, own, tied = self.stages[0]
-        return dataclasses.replace(self, stages=((name, layers, tuple(sorted({*own, *files})), tied), *self.stages[1:]))
-
-    def stage_specs(self, states: tuple[StateSpec, ...]) -> tuple[StageSpec, ...]:
-        """The manifest's stage records, each owning the model's states restricted to its layers."""
-        return tuple(StageSpec(name, layers, files, stage_states(states, *layers), tied_head=tied)
-                     for name, layers, files, tied in self.stages)
-
-
 def stage_states(states: tuple[StateSpec, ...], start: int, end: int) -> tuple[StateSpec, ...]:
     """The model's states restricted to layers [start, end): what the stage's pools hold."""
     import dataclasses
@@ -385,53 +348,44 @@ def stage_states(states: tuple[StateSpec, ...], start: int, end: int) -> tuple[S
     return tuple(out)
 
 
-def export_stages(decoder, out_dir: Path, stages: int | None, ranges: tuple, targets: tuple[str, ...], opts,
-                  say=lambda msg: None, quant_inputs=None) -> ExportedStages:
-    """Trace, save and lower one graph per stage (``stage{k}.onnx`` + ``stage{k}.onnx.data``).
+def export_stage(decoder, plan, out_dir: Path, targets: tuple[str, ...], opts, say=lambda msg: None,
+                 quant_inputs=None, planned_bytes: int | None = None) -> tuple[tuple[GraphSpec, ...], list, bool]:
+    """Trace, save and lower the graph of one stage (``models.graphs.GraphPlan`` of kind "stage":
+    ``stage{k}.onnx`` + ``stage{k}.onnx.data``); returns its graph in every target, the custom ops
+    they use, and whether it wrote its own copy of a tied head.
 
-    Each stage graph is lowered for every target by ``pipeline.export_graphs``, as the single
-    graph is (same passes, opset and IR version): with several targets the other targets'
+    The stage graph is lowered for every target by ``graph_exporters.lower_for_targets``, as the
+    single graph is (same passes, opset and IR version): with several targets the other targets'
     graphs are copies of the stage's traced proto (``stage{k}.<target>.onnx``) reading its data
-    file, lowered before the primary one is lowered in place (a MoE stage's onnxruntime graph
-    adds ``stage{k}.onnx.onnxruntime.data``). A stage record names one graph, ``stage{k}``, of
-    which the manifest holds one per target; its files are every target's."""
+    file, lowered before the primary one is lowered in place (a MoE stage's onnxruntime graph adds
+    ``stage{k}.onnx.onnxruntime.data``). A stage record names one graph, ``stage{k}``, of which the
+    manifest holds one per target; its files are every target's."""
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
+    from graphkiln.export.graph_exporters import lower_for_targets
     from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE
-    from graphkiln.export.pipeline import export_graphs
 
-    if any(t not in STAGE_TARGETS for t in targets):
-        raise GraphkilnError(f"--target {','.join(targets)} is not supported with pipeline stages yet: use "
-                             f"--target {' or --target '.join(STAGE_TARGETS)}")
-    plan = make_plan(decoder, stages, ranges)
+    t0 = time.perf_counter()
     cfg = decoder.cfg
     dtype = NP_DTYPE[decoder.lm_head.weight.dtype]
     tied = decoder.lm_head.weight is decoder.model.embed_tokens.weight or (
         decoder.lm_head.weight.data_ptr() == decoder.model.embed_tokens.weight.data_ptr())
-    StageForExport = _module_class()
-    graphs, specs, ops = [], [], {}
-    n = len(plan.ranges)
-    for k, (start, end) in enumerate(plan.ranges):
-        t0 = time.perf_counter()
-        first, last = k == 0, k == n - 1
-        module = StageForExport(decoder, start, end, first, last).eval()
-        ins, outs = stage_io(cfg, start, end, first, last, dtype, decoder.return_hidden_states)
-        program = _trace_stage(module, cfg, ins, outs, opts.opset)
-        used = custom_ops.attach_functions(program.model)
-        program.model.ir_version = IR_FOR_OPSET[opts.opset]
-        program.model.producer_name = "graphkiln"
-        name = stage_graph_name(k)
-        file = f"{name}.onnx"
-        save_model(program.model, out_dir / file)
-        del program, module
-        traced = GraphSpec(name, file, tuple(ins), tuple(outs), opts.opset)
-        lowered, lowered_ops = export_graphs(out_dir, traced, used, targets, opts, next_token=last,
-                                             quant_inputs=quant_inputs)
-        graphs += lowered
-        ops.update({(o.domain, o.name, o.version): o for o in lowered_ops})
-        # "stage1." is no prefix of stage10's files: every target's graph and data files, no other stage's
-        files = tuple(sorted(p.name for p in out_dir.iterdir() if p.name.startswith(name + ".")))
-        specs.append((name, (start, end), files, last and tied))
-        say(f"      stage {k}: layers {start}:{end}, {sum((out_dir / f).stat().st_size for f in files) / 2**20:.2f} MiB "
-            f"(planned weights {plan.planned_bytes[k] / 2**20:.2f} MiB) in {time.perf_counter() - t0:.1f}s")
-    return ExportedStages(tuple(graphs), tuple(specs), list(ops.values()), plan)
+    (start, end), first, last = plan.layers, plan.first, plan.last
+    module = _module_class()(decoder, start, end, first, last).eval()
+    ins, outs = stage_io(cfg, start, end, first, last, dtype, decoder.return_hidden_states)
+    program = _trace_stage(module, cfg, ins, outs, opts.opset)
+    used = custom_ops.attach_functions(program.model)
+    program.model.ir_version = IR_FOR_OPSET[opts.opset]
+    program.model.producer_name = "graphkiln"
+    file = f"{plan.name}.onnx"
+    save_model(program.model, out_dir / file)
+    del program, module
+    traced = GraphSpec(plan.name, file, tuple(ins), tuple(outs), opts.opset)
+    graphs, used = lower_for_targets(out_dir, traced, used, targets, opts, say=say, next_token=last,
+                                     quant_inputs=quant_inputs)
+    # "stage1." is no prefix of stage10's files: every target's graph and data files, no other stage's
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.name.startswith(plan.name + "."))
+    planned = "" if planned_bytes is None else f" (planned weights {planned_bytes / 2**20:.2f} MiB)"
+    say(f"      stage {plan.index}: layers {start}:{end}, {size / 2**20:.2f} MiB{planned} in "
+        f"{time.perf_counter() - t0:.1f}s")
+    return graphs, used, last and tied

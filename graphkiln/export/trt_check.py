@@ -320,7 +320,7 @@ class _Checker:
             return
         for input_name, want, why in (("cos_cache", 2 + layout, f"with rope_layout {layout} "),
                                       ("sin_cache", 2 + layout, f"with rope_layout {layout} "),
-                                      ("lookahead", 2, "")):
+                                      ("lookahead", 2, ""), ("sinks", 1, "")):
             rank = ranks.get(inputs.get(input_name, ""))
             if rank is not None and rank != want:
                 self.error(op, name, f"input {input_name} ({inputs[input_name]!r}) has rank {rank}; {why}the plugin "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from graphkiln.errors import GraphkilnError
 
 # Activations the export-friendly MLP implements (see decoder._ACTIVATIONS).
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,15 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its token mixer, attention window, rope flavor and feed-forward kind."""
+    """One decoder layer: its token mixer, attention window, rope flavor and feed-forward kind.
 
-    mixer: str = "attention"  # "attention" | "conv" | "gated_delta"
+    Either half may be "none" (Nemotron-H's blocks are one sublayer each: a Mamba, attention, MLP
+    or MoE block with its own pre-norm); a layer keeps the norm of each half it has."""
+
+    mixer: str = "attention"  # "attention" | "conv" | "gated_delta" | "mamba" | "none"
     window: int | None = None  # sliding window of an attention layer; None = full attention
     rope: str = "default"  # key into DecoderConfig.ropes
-    ffn: str = "mlp"  # "mlp" | "moe"
+    ffn: str = "mlp"  # "mlp" | "moe" | "none"
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,26 @@ class MoEConfig:
     norm_eps: float = 0.0
     routed_scaling: float = 1.0
     expert_bias: bool = False
+    # the experts' activation (graphkiln.MoE ``activation``): 0 SwiGLU silu(gate) * up; 1 relu(up)^2,
+    # non-gated, gate_up_proj then holds only the up rows (Nemotron-H); 2 gpt-oss's clamped SwiGLU
+    # with ``alpha`` and ``limit`` (its swiglu_alpha, swiglu_limit)
+    activation: int = 0
+    alpha: float = 1.702
+    limit: float = 7.0
+    # per-expert biases experts.gate_up_proj_bias [E, F] and experts.down_proj_bias [E, H] (gpt-oss);
+    # without them the op gets zeros
+    expert_biases: bool = False
+    router_bias: bool = False  # the router Linear (``gate``) has a bias (gpt-oss)
+    # router logits from fp32 hidden states and weights (Nemotron-H keeps gate.weight in fp32)
+    router_fp32: bool = False
+    # experts (and their biases) work in a latent space of this size: fc1_latent_proj maps the hidden
+    # states there and fc2_latent_proj back, the router still reads the hidden states (Nemotron-H
+    # moe_latent_size); 0: none
+    latent_size: int = 0
     # a shared expert every token goes through beside the routed ones, its output scaled by
     # sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE); 0: none
     shared_expert_size: int = 0
+    shared_expert_gate: bool = True  # False: the shared expert's output is added unscaled (Nemotron-H)
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,32 @@ class GatedDeltaConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba-2 mixer's sizes (Nemotron-H, Granite 4 ``mamba`` layers): ``num_heads`` heads of
+    ``head_dim`` channels, ``n_groups`` groups of B/C with ``state_size`` state channels, the causal
+    conv over x, B and C of ``conv_kernel`` taps; softplus(dt + dt_bias) clamped to [dt_min, dt_max]
+    (graphkiln.SsmScan); the gated output norm over ``n_groups`` groups of channels."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner_size + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -120,12 +166,19 @@ class DecoderConfig:
     conv_kernel: int = 0
     conv_bias: bool = False
     gated_delta: GatedDeltaConfig | None = None  # the gated_delta layers' sizes
-    # Rotary over the first rotary_dim of each head only (partial_rotary_factor); None: the whole head
+    mamba: MambaConfig | None = None  # the mamba layers' sizes
+    # False: the MLP is down(act(up(x))) with no gate (Nemotron-H's relu2 MLP, ``mlp.up_proj``)
+    mlp_gated: bool = True
+    residual_multiplier: float | None = None  # each sublayer's output times this before the residual add (Granite)
+    logits_scaling: float | None = None  # logits divided by this, in the model dtype (Granite)
+    # Rotary over the first rotary_dim of each head only (partial_rotary_factor); None: the whole
+    # head; 0: no rotary at all (Nemotron-H's attention layers have no position encoding)
     rotary_dim: int | None = None
     # q_proj yields each head's query then as many gate values; the attention output is multiplied
     # by sigmoid(gate) elementwise before o_proj (Qwen3-Next, Qwen3.5)
     attention_output_gate: bool = False
     attention_gate: bool = False  # per-head sigmoid gate on the attention output (LFM3)
+    attention_sinks: bool = False  # a learned per-head logit self_attn.sinks joins each softmax, then dropped (gpt-oss)
     sandwich_norm: bool = False  # extra norms after the mixer and the FFN (LFM3, Gemma3)
     # Numerical conventions some families have; each default is the Llama behaviour.
     embed_scale: float | None = None  # token embeddings times this, as an fp32 scalar cast to the model dtype (Gemma: sqrt(hidden))
@@ -160,6 +213,12 @@ class DecoderConfig:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"{len(self.layers)} layer types for {self.num_layers} layers")
 
+    @property
+    def partial_rotary(self) -> bool:
+        """Whether attention rotates less than the whole head (or nothing): the layers then rotate
+        their heads themselves and graphkiln.Attention gets identity tables."""
+        return self.rotary_dim is not None and self.rotary_dim < self.head_dim
+
     def layers_of(self, mixer: str) -> tuple[int, ...]:
         return tuple(i for i, l in enumerate(self.layers) if l.mixer == mixer)
 
@@ -172,12 +231,21 @@ class DecoderConfig:
             g = self.gated_delta
             return (SlotState("conv", (g.conv_dim, g.conv_kernel - 1)),
                     SlotState("recurrent", (g.num_v_heads, g.head_k_dim, g.head_v_dim)))
+        if mixer == "mamba":  # graphkiln.SsmScan's pool rows: [heads, state_size, head_dim]
+            m = self.mamba
+            return (SlotState("conv", (m.conv_dim, m.conv_kernel - 1)),
+                    SlotState("recurrent", (m.num_heads, m.state_size, m.head_dim)))
         return ()
+
+    def state_arity(self, layer: int) -> int:
+        """How many state inputs (and outputs) ``layer`` has in the graph: past key and value for
+        attention, its slot states otherwise."""
+        return 2 if self.layers[layer].mixer == "attention" else len(self.slot_states(layer))
 
     @property
     def has_slot_states(self) -> bool:
         """Whether any layer keeps per-slot state: the graph then takes seq_lens and slot_idx."""
-        return any(l.mixer != "attention" for l in self.layers)
+        return any(self.slot_states(i) for i in range(self.num_layers))
 
 
 # --- typed reads of config.json values -------------------------------------------------------

@@ -52,7 +52,8 @@ from torch import nn
 
 from graphkiln.models.config import DecoderConfig, LayerSpec
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+                "relu2": lambda x: F.relu(x) * F.relu(x)}  # a Mul, not Pow: Pow is what unfused norms leave
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = spec.window
         self.rope = spec.rope
-        self.rotary_dim = cfg.rotary_dim if cfg.rotary_dim and cfg.rotary_dim < cfg.head_dim else None
+        self.rotary_dim = cfg.rotary_dim if cfg.partial_rotary else None
         self.output_gate = cfg.attention_output_gate
         # q, k and v in one Linear (one weight read, one GEMM per step): checkpoints' separate
         # q_proj/k_proj/v_proj are concatenated on load (``sources.fused_source``); with an output
@@ -118,6 +119,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.g_proj = nn.Linear(cfg.hidden_size, cfg.num_heads, bias=False) if cfg.attention_gate else None
         self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
+        # gpt-oss's learned per-head sink logit (graphkiln.Attention's sinks, use_sinks=1)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None):
         """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them, and with
@@ -137,14 +140,19 @@ class Attention(nn.Module):
         if self.rotary_dim is not None:
             # Partial rotary is applied here and the op gets identity tables (cos 1, sin 0): the op
             # rotates whole heads. Costs a few elementwise ops; an op attribute would save them.
-            q = rotate_partial(q.view(b, s, self.num_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
-            k = rotate_partial(k.view(b, s, self.num_kv_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
+            if self.rotary_dim:
+                q = rotate_partial(q.view(b, s, self.num_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
+                k = rotate_partial(k.view(b, s, self.num_kv_heads, self.head_dim), cos, sin, position_ids).view(b, s, -1)
             cos, sin = identity
         if lookahead is None:  # causal tokens: one constant zero (folded by every target)
             lookahead = torch.zeros(1, 1, dtype=torch.int64)
-        out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, lookahead,
+        if self.sinks is not None:
+            sinks, use_sinks = self.sinks.float(), 1  # the op reads sinks in fp32 (exact from any model dtype)
+        else:  # never read with use_sinks=0; a constant the exporter shares between layers
+            sinks, use_sinks = torch.zeros(self.num_heads), 0
+        out, new_k, new_v = torch_op("Attention")(q, k, v, past_k, past_v, position_ids, cos, sin, lookahead, sinks,
                                                   self.num_heads, self.num_kv_heads, self.window or 0, self.scale,
-                                                  rope_layout=layout)
+                                                  rope_layout=layout, use_sinks=use_sinks)
         if self.g_proj is not None:
             out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
         if gate is not None:
@@ -214,40 +222,74 @@ class GatedDeltaNet(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated: down(act(gate x) * up x), gate and up fused in ``gate_up_proj``; with
+    ``cfg.mlp_gated`` False: down(act(up x)) (Nemotron-H's relu2 MLP)."""
+
     def __init__(self, cfg: DecoderConfig, intermediate: int | None = None) -> None:
         super().__init__()
         inter = intermediate or cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # gate rows, then up rows
+        self.gated = cfg.mlp_gated
+        if self.gated:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # gate rows, then up rows
+        else:
+            self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class Experts(nn.Module):
+    """The routed experts' weights in graphkiln.MoE's layout: gate_up_proj [E, F, D] (gate rows then
+    up rows, F = 2I; for the non-gated activation 1 only the F = I up rows), down_proj [E, D, I]
+    and, with ``expert_biases``, gate_up_proj_bias [E, F] and down_proj_bias [E, D] (else None:
+    the op gets zeros). D is the hidden size, or the latent size where the experts work in one."""
+
     def __init__(self, cfg: DecoderConfig) -> None:
+        from graphkiln.ops.moe import gate_up_rows
+
         super().__init__()
         m = cfg.moe
-        self.gate_up_proj = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, cfg.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.intermediate_size))
+        d = m.latent_size or cfg.hidden_size
+        f = gate_up_rows(m.intermediate_size, m.activation)
+        self.gate_up_proj = nn.Parameter(torch.empty(m.num_experts, f, d))
+        self.down_proj = nn.Parameter(torch.empty(m.num_experts, d, m.intermediate_size))
+        biases = m.expert_biases
+        self.register_parameter("gate_up_proj_bias", nn.Parameter(torch.zeros(m.num_experts, f)) if biases else None)
+        self.register_parameter("down_proj_bias", nn.Parameter(torch.zeros(m.num_experts, d)) if biases else None)
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up bias, down bias) for the op: the parameters, or zeros in the weights' dtype
+        (adding zeros is exact, so a bias-free model computes what it did without the inputs)."""
+        if self.gate_up_proj_bias is not None:
+            return self.gate_up_proj_bias, self.down_proj_bias
+        e, f, d = self.gate_up_proj.shape
+        dtype = self.gate_up_proj.dtype
+        return torch.zeros(e, f, dtype=dtype), torch.zeros(e, d, dtype=dtype)
 
 
 class MoE(nn.Module):
-    """Router + routed experts through the graphkiln.MoE custom op (routing inside the op)."""
+    """Router + routed experts through the graphkiln.MoE custom op (routing inside the op), plus
+    the optional latent projections around the experts and a shared expert beside them."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.cfg = cfg.moe
-        self.gate = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
+        m = self.cfg = cfg.moe
+        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=m.router_bias)
         self.experts = Experts(cfg)
-        self.expert_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts)) if cfg.moe.expert_bias else None
-        if cfg.moe.shared_expert_size:
-            self.shared_expert = MLP(cfg, cfg.moe.shared_expert_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(m.num_experts)) if m.expert_bias else None
+        if m.latent_size:
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, m.latent_size, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(m.latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
         else:
-            self.shared_expert = self.shared_expert_gate = None
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+        self.shared_expert = MLP(cfg, m.shared_expert_size) if m.shared_expert_size else None
+        gated = m.shared_expert_size and m.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
 
     def forward(self, x):
         from graphkiln.ops import torch_op
@@ -255,52 +297,90 @@ class MoE(nn.Module):
         m = self.cfg
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        bias = self.expert_bias if self.expert_bias is not None else torch.zeros(m.num_experts, dtype=torch.float32)
-        out = torch_op("MoE")(flat, self.gate(flat), self.experts.gate_up_proj, self.experts.down_proj, bias,
-                              m.top_k, m.scoring, int(m.normalize), m.norm_eps, m.routed_scaling)
+        if m.router_fp32:  # as Nemotron-H: fp32 activations and weight, whatever the model dtype
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            logits = F.linear(flat.float(), self.gate.weight.float(), bias)
+        else:
+            logits = self.gate(flat)
+        expert_bias = self.expert_bias if self.expert_bias is not None else torch.zeros(m.num_experts,
+                                                                                        dtype=torch.float32)
+        xe = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
+        out = torch_op("MoE")(xe, logits, self.experts.gate_up_proj, self.experts.down_proj, expert_bias,
+                              *self.experts.biases(), m.top_k, m.scoring, int(m.normalize), m.norm_eps,
+                              m.routed_scaling, m.activation, m.alpha, m.limit)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(b, s, h)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm mixer then pre-norm FFN, each with its residual add; a half whose kind is "none"
+    (``LayerSpec``) is absent with its norm, so one layer is one of Nemotron-H's one-sublayer blocks."""
+
     def __init__(self, cfg: DecoderConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.residual_multiplier = cfg.residual_multiplier
         if spec.mixer == "attention":
             self.self_attn = Attention(cfg, spec)
         elif spec.mixer == "gated_delta":
             self.linear_attn = GatedDeltaNet(cfg)
-        else:
+        elif spec.mixer == "mamba":
+            from graphkiln.models.mamba2 import Mamba2Mixer
+
+            self.mamba = Mamba2Mixer(cfg)
+        elif spec.mixer == "conv":
             self.conv = ShortConv(cfg)
-        self.mlp = MoE(cfg) if spec.ffn == "moe" else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if spec.mixer != "none":
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if spec.ffn != "none":
+            self.mlp = MoE(cfg) if spec.ffn == "moe" else MLP(cfg)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sandwich_norm:
             self.post_mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         else:
             self.post_mixer_norm = self.post_ffn_norm = None
 
+    def _mix(self, h, rope, position_ids, state, slot_idx, seq_lens, lookahead):
+        """The mixer's output and its new state rows (a tuple, in ``DecoderConfig.slot_states`` order)."""
+        mixer = self.spec.mixer
+        if mixer == "attention":
+            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead)
+            return h, (k, v)
+        if mixer == "gated_delta":
+            h, conv_state, recurrent_state = self.linear_attn(h, state[0], state[1], slot_idx, seq_lens)
+            return h, (conv_state, recurrent_state)
+        if mixer == "mamba":
+            h, conv_state, scan_state = self.mamba(h, state[0], state[1], slot_idx, seq_lens)
+            return h, (conv_state, scan_state)
+        h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
+        return h, (conv_state,)
+
+    def _residual(self, x, h):
+        if self.residual_multiplier is not None:
+            h = h * self.residual_multiplier
+        return x + h
+
     def forward(self, x, rope, position_ids, state, slot_idx, seq_lens, lookahead=None):
         """Returns the new hidden states and this layer's new state rows (a tuple)."""
-        h = self.input_layernorm(x)
-        if self.spec.mixer == "attention":
-            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead)
-            new = (k, v)
-        elif self.spec.mixer == "gated_delta":
-            h, conv_state, recurrent_state = self.linear_attn(h, state[0], state[1], slot_idx, seq_lens)
-            new = (conv_state, recurrent_state)
-        else:
-            h, conv_state = self.conv(h, state[0], slot_idx, seq_lens)
-            new = (conv_state,)
-        if self.post_mixer_norm is not None:
-            h = self.post_mixer_norm(h)
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
-        if self.post_ffn_norm is not None:
-            h = self.post_ffn_norm(h)
-        return x + h, new
+        new = ()
+        if self.spec.mixer != "none":
+            h, new = self._mix(self.input_layernorm(x), rope, position_ids, state, slot_idx, seq_lens, lookahead)
+            if self.post_mixer_norm is not None:
+                h = self.post_mixer_norm(h)
+            x = self._residual(x, h)
+        if self.spec.ffn != "none":
+            h = self.mlp(self.post_attention_layernorm(x))
+            if self.post_ffn_norm is not None:
+                h = self.post_ffn_norm(h)
+            x = self._residual(x, h)
+        return x, new
 
 
 def scatter_vision_rows(x: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -314,6 +394,30 @@ def scatter_vision_rows(x: torch.Tensor, rows: torch.Tensor, indices: torch.Tens
     target = torch.where(inside, indices, torch.full_like(indices, n))
     flat = flat.index_put((target,), rows.to(x.dtype))
     return flat[:n].reshape(b, s, h)
+
+
+def embed(cfg: DecoderConfig, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings, times ``cfg.embed_scale`` when set. Before the vision seam: image rows
+    enter unscaled (Gemma3's get_placeholder_mask replaces the already-scaled text embeddings). The
+    scalar is rounded to the model dtype first, as the reference does (sqrt(3072) is 55.5 in bf16)."""
+    x = table(input_ids)
+    if cfg.embed_scale is not None:
+        x = x * torch.tensor(cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+    return x
+
+
+def head(cfg: DecoderConfig, norm: nn.Module, lm_head: nn.Linear, x: torch.Tensor, logits_index: torch.Tensor):
+    """(fp32 logits, final-norm hidden states) at the ``logits_index`` positions of ``x``: the
+    final norm, the LM head, then Granite's logits scaling or Gemma2's softcap in the model dtype."""
+    x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    hidden = norm(x)
+    logits = lm_head(hidden)
+    if cfg.logits_scaling is not None:
+        logits = logits / cfg.logits_scaling
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = torch.tanh(logits / cap) * cap
+    return logits.to(torch.float32), hidden
 
 
 class DecoderBody(nn.Module):
@@ -368,7 +472,7 @@ class DecoderForExport(nn.Module):
         for graphkiln.Attention, one pair per flavor shared by every layer; else None."""
         cos, sin = self.rope_tables(flavor)
         identity = None
-        if self.cfg.rotary_dim and self.cfg.rotary_dim < self.cfg.head_dim:
+        if self.cfg.partial_rotary:
             half = self.cfg.head_dim // 2
             identity = (torch.ones(cos.shape[0], half, dtype=cos.dtype), torch.zeros(sin.shape[0], half, dtype=sin.dtype))
         if rope_position_ids is None:
@@ -381,20 +485,12 @@ class DecoderForExport(nn.Module):
 
         return per_token(cos), per_token(sin), 1, identity
 
-    def state_arity(self, i: int) -> int:
-        return 2 if self.cfg.layers[i].mixer == "attention" else len(self.cfg.slot_states(i))
-
     # export --return-hidden-states: forward also returns ``last_hidden_state`` [batch, n_logits,
     # hidden] (model dtype) right after logits, the final-norm states the head reads
     return_hidden_states: bool = False
 
     def forward(self, input_ids, position_ids, logits_index, *rest):
-        x = self.model.embed_tokens(input_ids)
-        if self.cfg.embed_scale is not None:
-            # Before the seam: image rows enter unscaled (Gemma3's get_placeholder_mask replaces the
-            # already-scaled text embeddings). The scalar is rounded to the model dtype first, as
-            # the reference does (sqrt(3072) is 55.5 in bf16).
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+        x = embed(self.cfg, self.model.embed_tokens, input_ids)
         if self.cfg.vision_seam:
             x = scatter_vision_rows(x, rest[0], rest[1])
             rest = rest[2:]
@@ -412,20 +508,13 @@ class DecoderForExport(nn.Module):
         new_states = []
         for i, layer in enumerate(self.model.layers):
             off = self._offset(i)
-            x, new = layer(x, rope, position_ids, states[off: off + self.state_arity(i)], slot_idx, seq_lens, lookahead)
+            x, new = layer(x, rope, position_ids, states[off: off + self.cfg.state_arity(i)], slot_idx, seq_lens, lookahead)
             new_states += new
 
-        index = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
-        x = torch.gather(x, 1, index)
-        hidden = self.model.norm(x)
-        logits = self.lm_head(hidden)
-        if self.cfg.final_logit_softcap is not None:
-            cap = self.cfg.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        logits = logits.to(torch.float32)
+        logits, hidden = head(self.cfg, self.model.norm, self.lm_head, x, logits_index)
         if self.return_hidden_states:  # after the final norm, as transformers' last_hidden_state
             return (logits, hidden, *new_states)
         return (logits, *new_states)
 
     def _offset(self, layer: int) -> int:
-        return sum(self.state_arity(i) for i in range(layer))
+        return sum(self.cfg.state_arity(i) for i in range(layer))

@@ -16,7 +16,8 @@ from graphkiln.models.config import DecoderConfig
 from graphkiln.models.sources import Source
 
 _BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "lfm2", "lfm2_moe", "lfm3",
-                          "gemma3", "llava", "gemma3_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+                          "gemma3", "llava", "gemma3_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+                          "nemotron_h", "granitemoehybrid", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,17 @@ class ModelFamily:
     source: Callable[[str, DecoderConfig], Source] = lambda name, cfg: name
     # A vision-language model's vision graph spec (models.vision); None for a text-only model.
     vision: object | None = None
+    # The graphs its artifact holds (models.graphs): (cfg, stage ranges or None) -> GraphPlans in
+    # export order; None: the default (the decoder or its stages, then the vision graph if any).
+    graphs: Callable[[DecoderConfig, tuple | None], tuple] | None = None
+
+    def graph_specs(self, cfg: DecoderConfig, stage_ranges: tuple | None) -> tuple:
+        """The ``models.graphs.GraphPlan``s export runs its loop over, in order."""
+        from graphkiln.models.graphs import default_graph_specs
+
+        if self.graphs is not None:
+            return self.graphs(cfg, stage_ranges)
+        return default_graph_specs(self.vision is not None, stage_ranges)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

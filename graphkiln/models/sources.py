@@ -1,7 +1,8 @@
 """Where a canonical parameter's tensor comes from in a checkpoint (torch-free descriptions).
 
 Families describe, per canonical name, a ``Source``: a plain tensor name, an ``Alt`` of
-layouts (a fused tensor, or per-expert tensors to stack), ``Stack``/``Cat`` of parts. The
+layouts (a fused tensor, or per-expert tensors to stack), ``Stack``/``Cat`` of parts, ``Rows``
+and ``Rearranged`` views of one stored tensor. The
 loader in ``weights.py`` resolves them against the safetensors index.
 """
 
@@ -35,11 +36,23 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class Rearranged:
+    """One stored tensor in another layout (gpt-oss's experts): its last dim holds ``interleave``
+    parts alternating (element c * interleave + j is part j's element c; gpt-oss's gate and up
+    alternate), which become consecutive (part 0's, then part 1's...); then, with ``transpose``, its
+    last two dims are swapped (gpt-oss stores x @ W weights, [..., in, out] for our [..., out, in])."""
+
+    parts: tuple  # one Source
+    interleave: int = 1
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
 class Alt:
     options: tuple  # the first option whose tensors all exist wins
 
 
-Source = str | Stack | Cat | Rows | Alt
+Source = str | Stack | Cat | Rows | Rearranged | Alt
 
 
 def names_in(src: Source) -> list[str]:

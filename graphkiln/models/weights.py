@@ -23,7 +23,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport, RMSNorm
 from graphkiln.models.registry import ModelFamily
-from graphkiln.models.sources import Alt, Cat, Rows, Source, Stack, fused_source, names_in
+from graphkiln.models.sources import Alt, Cat, Rows, Source, Stack, Rearranged, fused_source, names_in
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The stored types a float weight may have (F64 is converted like the others). Anything else, an
@@ -174,6 +174,11 @@ class _Reader:
         if isinstance(src, Rows):
             whole = self.read(src.parts[0])
             return torch.cat([whole[a:b] for a, b in src.ranges])
+        if isinstance(src, Rearranged):
+            t = self.read(src.parts[0])
+            if src.interleave > 1:
+                t = torch.cat([t[..., j::src.interleave] for j in range(src.interleave)], dim=-1)
+            return (t.transpose(-1, -2) if src.transpose else t).contiguous()
         shard = self.where[src]
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
@@ -267,6 +272,10 @@ def _check_shape(reader: _Reader, src: Source, expected: tuple[int, ...], param:
         if sum(b - a for a, b in src.ranges) != expected[0]:  # the family's ranges: a programming error
             raise GraphkilnError(f"{param}: row ranges {src.ranges} do not make {expected[0]} rows")
         _check_shape(reader, src.parts[0], (src.total, *expected[1:]), param)
+        return
+    if isinstance(src, Rearranged):
+        stored = (*expected[:-2], expected[-1], expected[-2]) if src.transpose else tuple(expected)
+        _check_shape(reader, src.parts[0], stored, param)
         return
     if isinstance(src, Stack):
         if len(src.parts) != expected[0]:  # the family builds one part per expert: a programming error

@@ -2,8 +2,7 @@
 
 This package sits below export, runtime and plugins_trt, which all import it (never each
 other) for an op's identity. Each op module (``attention``, ``moe``, ``short_conv``,
-``gated_delta``; ``ssm_scan`` is defined and tested but not in ``OP_MODULES`` until a family
-uses it) holds:
+``gated_delta``, ``ssm_scan``; every one in ``OP_MODULES``) holds:
   * ``SPEC`` — name, domain, version, inputs, outputs, attributes and the TensorRT plugin
     identity (torch-free, so the runtime can list known ops without torch);
   * ``reference`` — the torch math (torch imported lazily), which export registers as the
@@ -26,7 +25,7 @@ from types import ModuleType
 
 from graphkiln.ops.spec import DOMAIN, AttrSpec, CustomOpSpec
 
-OP_MODULES = ("attention", "moe", "short_conv", "gated_delta")
+OP_MODULES = ("attention", "moe", "short_conv", "gated_delta", "ssm_scan")
 
 __all__ = ["DOMAIN", "AttrSpec", "CustomOpSpec", "OP_MODULES", "op_modules", "specs", "register_torch_ops", "torch_op"]
 

@@ -9,7 +9,8 @@ position_ids; 1, this step's per-token values [B, S, D/2], computed by the graph
 sections from 3-D positions, which are not the cache positions), lookahead [B|1, S|1] int64
 (how many positions past its own each new token may also see; 0 = causal; a text model passes
 a constant zero [1, 1]; Gemma3 gives an image's tokens the distance to the image's last token,
-which is transformers' OR(causal, same image) mask)
+which is transformers' OR(causal, same image) mask), sinks fp32 [Nq] (attention sinks, read
+only when ``use_sinks`` = 1; a model without them passes a constant zero [Nq])
 -> out [B, S, Nq*D] and, by ``kv_update``:
   0 (default): new_key / new_value [B, Nkv, S, D], the new tokens' rotated keys and values;
      the caller stores them at their positions.
@@ -25,7 +26,14 @@ Semantics: q and k are rotated "rotate-half" style (x * cos + rotate_half(x) * s
 tables gathered at position_ids and repeated to D); query head h reads KV head
 h // (Nq / Nkv); a new token at position p sees cached keys at positions < start_b and new
 keys at positions <= p + lookahead, and with ``window`` > 0 only keys at positions > p - window;
-scores are scaled by ``scale`` and the softmax runs in fp32. Padding after a row's real tokens
+scores are scaled by ``scale`` and the softmax runs in fp32. With ``use_sinks`` = 1 (gpt-oss)
+query head h's softmax over a row's visible keys gains one more logit, sinks[h], whose
+probability is then dropped: probs = softmax([scores, sinks[h]])[:-1], so the row's weights sum
+to less than 1 (a row that sees no key at all gets out = 0). With ``use_sinks`` = 0 (the
+default, every model without sinks) ``sinks`` is never read, and every target runs exactly
+the computation it ran before the input existed: the reference and the function take the same
+ops, the kernel is compiled without the sink code, onnxruntime's GroupQueryAttention gets no
+``head_sink``. Padding after a row's real tokens
 (higher positions) is never seen by its real tokens (a lookahead never reaches past a row's
 real tokens, and a block it opens must lie within one step: the runtime never splits an image
 across prefill chunks). Only cache positions < start_b are read,
@@ -44,7 +52,7 @@ from graphkiln.ops.spec import AttrSpec, CustomOpSpec
 SPEC = CustomOpSpec(
     name="Attention",
     torch_name="attention",
-    inputs=("q", "k", "v", "past_key", "past_value", "position_ids", "cos_cache", "sin_cache", "lookahead"),
+    inputs=("q", "k", "v", "past_key", "past_value", "position_ids", "cos_cache", "sin_cache", "lookahead", "sinks"),
     outputs=("out", "new_key", "new_value"),
     attributes=(
         AttrSpec("num_heads", "int", "Nq, query heads"),
@@ -55,6 +63,8 @@ SPEC = CustomOpSpec(
                  default=0),
         AttrSpec("rope_layout", "int", "0: cos/sin are tables [P, D/2] gathered at position_ids; "
                  "1: they are per-token [B, S, D/2]", default=0),
+        AttrSpec("use_sinks", "int", "1: sinks[h] joins query head h's softmax as one extra logit, then dropped; "
+                 "0: sinks is not read", default=0),
     ),
     output_dtypes_from=("q", "past_key", "past_value"),
     doc=__doc__,
@@ -94,8 +104,8 @@ def per_token_rope(cos_cache, sin_cache, position_ids, rope_layout: int):
     return cos_cache[position_ids], sin_cache[position_ids]
 
 
-def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads, num_kv_heads,
-              window, scale, kv_update=0, rope_layout=0):
+def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks, num_heads,
+              num_kv_heads, window, scale, kv_update=0, rope_layout=0, use_sinks=0):
     import torch
 
     b, s, _ = q.shape
@@ -115,7 +125,13 @@ def reference(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache,
     scores = scores.float().view(b, num_kv_heads, rep, s, -1)
     ahead = lookahead.expand(b, s)
     scores = scores.masked_fill(~visible_keys(position_ids, past_key.shape[2], window, ahead), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, num_kv_heads, rep * s, -1)
+    if use_sinks:
+        # query head h = kv head * rep + r: sinks viewed [Nkv, rep] lines up with the folded heads
+        sink = sinks.float().view(1, num_kv_heads, rep, 1, 1).expand(b, -1, -1, s, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.to(q.dtype).reshape(b, num_kv_heads, rep * s, -1)
     out = torch.matmul(probs, values).view(b, num_heads, s, d).transpose(1, 2).reshape(b, s, num_heads * d)
     if kv_update:
         return out, write_rows(past_key, k4, position_ids), write_rows(past_value, v4, position_ids)
@@ -133,8 +149,8 @@ def write_rows(cache, rows, position_ids):
     return out
 
 
-def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads, num_kv_heads, window,
-         scale, kv_update=0, rope_layout=0):
+def fake(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks, num_heads, num_kv_heads,
+         window, scale, kv_update=0, rope_layout=0, use_sinks=0):
     if kv_update:
         return q.new_empty(q.shape), past_key.new_empty(past_key.shape), past_value.new_empty(past_value.shape)
     b, s, _ = q.shape
@@ -151,9 +167,9 @@ def onnx_function(opset: int):
     gk = Opset(SPEC.domain, SPEC.version)
 
     @onnxscript.script(gk, default_opset=op)
-    def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, num_heads: int,
+    def Attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks, num_heads: int,
                   num_kv_heads: int, window: int, scale: float, plugin_namespace: str, plugin_version: str,
-                  kv_update: int = 0, rope_layout: int = 0):
+                  kv_update: int = 0, rope_layout: int = 0, use_sinks: int = 0):
         one = op.Constant(value_ints=[1])
         minus1 = op.Constant(value_ints=[-1])
         nq = op.Reshape(op.Constant(value_int=num_heads), one)
@@ -202,8 +218,18 @@ def onnx_function(opset: int):
         in_window = op.Or(op.Equal(w, op.Constant(value_int=0)), op.Greater(k_pos, op.Sub(q_pos, w)))
         visible = op.Unsqueeze(op.And(visible, in_window), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, S, C+S]
 
-        masked = op.Where(visible, scores5, op.Constant(value_float=float("-inf")))
-        probs = op.Reshape(op.CastLike(op.Softmax(masked, axis=-1), q), op.Shape(scores))
+        masked = op.Where(visible, scores5, op.Constant(value_float=float("-inf")))  # [B, Nkv, rep, S, C+S]
+        # use_sinks is a constant once inlined, folded like rope_layout: without sinks the session
+        # runs the plain softmax, and never reads the sinks input.
+        if op.Equal(op.Constant(value_int=use_sinks), op.Constant(value_int=1)):
+            # query head h = kv head * rep + r, so sinks [Nq] viewed [1, Nkv, rep, 1, 1] lines up
+            sink = op.Reshape(op.Cast(sinks, to=TensorProto.FLOAT), op.Concat(one, nkv, rep, one, one, axis=0))
+            sink = op.Expand(sink, op.Concat(op.Shape(masked, start=0, end=4), one, axis=0))
+            with_sink = op.Softmax(op.Concat(masked, sink, axis=-1), axis=-1)
+            weights = op.Slice(with_sink, op.Constant(value_ints=[0]), minus1, minus1)  # drop the sink's column
+        else:
+            weights = op.Softmax(masked, axis=-1)
+        probs = op.Reshape(op.CastLike(weights, q), op.Shape(scores))
         out = op.Reshape(op.MatMul(probs, values), qshape)  # [B, Nq, S, D]
         out = op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Shape(q))
 

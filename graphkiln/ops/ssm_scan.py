@@ -2,19 +2,24 @@
 
 x [B, S, H, P] (right-padded rows; H heads of P channels), dt [B, S, H] (raw: before dt_bias
 and softplus), A [H] (-exp(A_log), negative), Bm / Cm [B, S, G, N] (G groups of N state
-channels; G divides H), D [H], dt_bias [H], state_pool [slots, H, P, N], slot_idx [B] (row b's
+channels; G divides H), D [H], dt_bias [H], state_pool [slots, H, N, P], slot_idx [B] (row b's
 slot; distinct), seq_lens [B] (row b's real tokens) -> y [B, S, H, P] and, by ``state_update``:
-  0 (default): new_state [B, H, P, N], row b's new state; the caller writes the rows back into
+  0 (default): new_state [B, H, N, P], row b's new state; the caller writes the rows back into
      ``state_pool[slot_idx]``.
-  1: new_state [slots, H, P, N], the whole pool with row slot_idx[b] replaced by row b's new
+  1: new_state [slots, H, N, P], the whole pool with row slot_idx[b] replaced by row b's new
      state (other slots unchanged); TensorRT's plugin aliases it to state_pool, as ShortConv's.
+
+State layout: a head's state is [N, P] (state-size rows, head-dim columns), the transpose of
+transformers' [P, N] (its cache holds [B, H, P, N]). It is onnxruntime's
+com.microsoft.LinearAttention layout ([B, H, d_k, d_v] with k = Bm, v = dt * x), so a lowering
+to that kernel reads and writes the pool with no transpose per step.
 
 Semantics (transformers' Mamba-2 torch path: NemotronH, GraniteMoeHybrid, Bamba, Mamba2), per
 row b and head h, with g = h // (H / G) (transformers' repeat_interleave of B and C over heads)
 and s_{-1} = state_pool[slot_idx[b], h], for each real token t < seq_lens[b]:
   dt_t = clamp(softplus(dt[b, t, h] + dt_bias[h]), dt_min, dt_max)
-  s_t  = exp(dt_t * A[h]) * s_{t-1} + (dt_t * x[b, t, h]) ⊗ Bm[b, t, g]      [P, N]
-  y[b, t, h] = s_t · Cm[b, t, g] + D[h] * x[b, t, h]                          [P]
+  s_t  = exp(dt_t * A[h]) * s_{t-1} + Bm[b, t, g] ⊗ (dt_t * x[b, t, h])      [N, P]
+  y[b, t, h] = s_t^T Cm[b, t, g] + D[h] * x[b, t, h]                          [P]
 and row b's new state is its last s_t. Tokens at t >= seq_lens[b] neither decay nor feed the
 state (their dt is forced to 0, so exp(dt * A) = 1 and the input term is 0; their x and Bm are
 zeroed too, so even non-finite padding cannot leak in); y there is 0. seq_lens[b] = 0 returns
@@ -38,7 +43,7 @@ finite dt unchanged (an attribute default must be finite to serialize).
 
 Why one op: a recurrence over tokens is what each runtime runs its own way — a TensorRT plugin
 or a fused kernel — so the portable graph carries it whole, with the standard-ONNX body below
-(a Scan over S carrying [B, H, P, N] fp32) for runtimes that have neither.
+(a Scan over S carrying [B, H, N, P] fp32) for runtimes that have neither.
 """
 
 from __future__ import annotations
@@ -79,18 +84,20 @@ def reference(x, dt, A, Bm, Cm, D, dt_bias, state_pool, slot_idx, seq_lens, stat
     batch, seq, heads, head_dim = x.shape
     per_group = heads // Bm.shape[2]
     valid = torch.arange(seq, device=x.device) < seq_lens.unsqueeze(1)  # [B, S]
-    step = F.softplus(dt + dt_bias.to(dt.dtype)).clamp(dt_min, dt_max).float()  # in dt's dtype, as transformers
+    # in dt's dtype, as transformers; the clamp in fp32 and rounded after (the same value, rounding
+    # being monotone), since fp16 cannot even hold dt_max's default (torch refuses the clamp)
+    step = F.softplus(dt + dt_bias.to(dt.dtype)).float().clamp(dt_min, dt_max).to(dt.dtype).float()
     step = torch.where(valid.unsqueeze(2), step, 0.0)
     decay = torch.exp(step * A.float())  # [B, S, H]; exactly 1 on padding
     pad4 = valid[:, :, None, None]
     inp = torch.where(pad4, x.float() * step.unsqueeze(3), 0.0)  # dt * x [B, S, H, P]
     b_heads = torch.where(pad4, Bm.float(), 0.0).repeat_interleave(per_group, dim=2)  # [B, S, H, N]
     c_heads = Cm.float().repeat_interleave(per_group, dim=2)
-    state = state_pool.index_select(0, slot_idx).float()  # [B, H, P, N]
+    state = state_pool.index_select(0, slot_idx).float()  # [B, H, N, P]
     y = torch.empty(batch, seq, heads, head_dim, dtype=torch.float32, device=x.device)
     for t in range(seq):  # the decode formula, token by token
-        state = state * decay[:, t, :, None, None] + inp[:, t, :, :, None] * b_heads[:, t, :, None, :]
-        y[:, t] = (state @ c_heads[:, t, :, :, None]).squeeze(3)
+        state = state * decay[:, t, :, None, None] + b_heads[:, t, :, :, None] * inp[:, t, :, None, :]
+        y[:, t] = (c_heads[:, t, :, None, :] @ state).squeeze(2)  # C^T S: [B, H, 1, P]
     y = torch.where(pad4, y + D.float()[:, None] * x.float(), 0.0).to(x.dtype)
     rows = state.to(state_pool.dtype)
     return y, slot_state.new_state(state_pool, slot_idx, rows, state_update)
@@ -117,10 +124,10 @@ def onnx_function(opset: int):
         # broadcast over its heads without being repeated; fp32 throughout.
         @onnxscript.graph()
         def Step(state, decay_t, inp_t, b_t, c_t):
-            # state [B, G, R, P, N]; decay_t [B, G, R, 1, 1]; inp_t [B, G, R, P, 1];
-            # b_t [B, G, 1, 1, N]; c_t [B, G, 1, N, 1]
-            new = op.Add(op.Mul(state, decay_t), op.Mul(inp_t, b_t))
-            y_t = op.MatMul(new, c_t)  # [B, G, R, P, 1]
+            # state [B, G, R, N, P]; decay_t [B, G, R, 1, 1]; inp_t [B, G, R, 1, P];
+            # b_t [B, G, 1, N, 1]; c_t [B, G, 1, 1, N]
+            new = op.Add(op.Mul(state, decay_t), op.Mul(b_t, inp_t))
+            y_t = op.MatMul(c_t, new)  # [B, G, R, 1, P]
             return new, y_t
 
         zero = op.Constant(value_float=0.0)
@@ -153,14 +160,14 @@ def onnx_function(opset: int):
 
         one = op.Constant(value_ints=[1])
         head_dim = op.Shape(x, start=3, end=4)
-        state_dims = op.Shape(state_pool, start=2, end=4)  # [P, N]
+        state_dims = op.Shape(state_pool, start=2, end=4)  # [N, P]
         by_group = op.Concat(batch, seq, groups, minus1, axis=0)
         decay_s = op.Reshape(decay, op.Concat(by_group, one, one, axis=0))  # [B, S, G, R, 1, 1]
-        inp_s = op.Reshape(inp, op.Concat(by_group, head_dim, one, axis=0))  # [B, S, G, R, P, 1]
-        b_s = op.Unsqueeze(bf, op.Constant(value_ints=[3, 4]))  # [B, S, G, 1, 1, N]
-        c_s = op.Unsqueeze(op.Cast(Cm, to=FLOAT), op.Constant(value_ints=[3, 5]))  # [B, S, G, 1, N, 1]
-        start = op.Cast(op.Gather(state_pool, slot_idx, axis=0), to=FLOAT)  # [B, H, P, N]
-        start = op.Reshape(start, op.Concat(batch, groups, minus1, state_dims, axis=0))  # [B, G, R, P, N]
+        inp_s = op.Reshape(inp, op.Concat(by_group, one, head_dim, axis=0))  # [B, S, G, R, 1, P]
+        b_s = op.Unsqueeze(bf, op.Constant(value_ints=[3, 5]))  # [B, S, G, 1, N, 1]
+        c_s = op.Unsqueeze(op.Cast(Cm, to=FLOAT), op.Constant(value_ints=[3, 4]))  # [B, S, G, 1, 1, N]
+        start = op.Cast(op.Gather(state_pool, slot_idx, axis=0), to=FLOAT)  # [B, H, N, P]
+        start = op.Reshape(start, op.Concat(batch, groups, minus1, state_dims, axis=0))  # [B, G, R, N, P]
 
         final, ys = op.Scan(start, decay_s, inp_s, b_s, c_s, body=Step, num_scan_inputs=4,
                             scan_input_axes=[1, 1, 1, 1], scan_output_axes=[1])
@@ -182,7 +189,8 @@ def onnx_function(opset: int):
 # onnxruntime 1.32 (com.microsoft schemas, get_all_operator_schema): no kernel for this op as
 # such. Mamba2Verify fuses conv + scan + gated norm but is a one-sequence, bf16-only,
 # head_dim 64 / d_state 128 op with no CPU kernel. LinearAttention(update_rule="gated") runs on
-# CPU and is this recurrence with q = Cm, k = Bm (both repeated to H heads), v = dt * x,
-# decay = dt * A, scale 1 and its state [B, H, N, P] (this op's transposed), plus D * x outside;
-# GatedRMSNorm (CPU) is the norm that follows. Both are candidates for an onnxruntime lowering
-# (as lowering.ort_attention), with the slot gather/scatter and padding masks around them.
+# CPU and is this recurrence with q = Cm (at the G groups: its inverse GQA maps head h to group
+# h // (H / G)), k = Bm (repeated to H heads), v = dt * x, decay = dt * A, scale 1 and its state
+# [B, H, N, P] (this op's layout), plus D * x outside: graphkiln.export.lowering.ort_ssm_scan
+# lowers to it (2.5x faster per decode step, 7x per prefill, measured there). GatedRMSNorm
+# (CPU) is the norm that follows, a candidate for a fusion.

@@ -59,18 +59,24 @@ ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
 
 # Inputs whose dtype does not follow the model dtype: ids and Attention's lookahead are int64 and
 # the rotary tables fp32 in the exported graph, constants or (rope_layout 1) per-token values
-# gathered from them (graphkiln.export.onnx_export.decoder_io, models.decoder);
+# gathered from them (graphkiln.export.onnx_export.decoder_io, models.decoder); Attention's sinks
+# are fp32 (the decoder casts its parameter, exactly; a zero constant when the model has none);
 # MoE's expert_bias is an fp32 routing table (the kernel reads it as fp32, as the reference
 # does; the exporter writes fp32 zeros when a model has no bias); GatedDeltaRule's g and beta are
 # fp32 (the model computes g in fp32 and beta in its dtype; the TensorRT lowering casts beta,
-# exactly, as the reference reads both in fp32). Every other input and output follows the
-# activation dtype. The kernels' ``fixed_dtypes`` must agree (tested).
+# exactly, as the reference reads both in fp32); SsmScan's A, D and dt_bias are fp32 (A is
+# -exp(A_log) in fp32 as transformers computes it; the reference reads A and D in fp32 and rounds
+# dt_bias to dt's dtype, which the kernel does too, so the lowering's casts change nothing).
+# Every other input and output follows the activation dtype (SsmScan's dt too: the reference
+# rounds dt + dt_bias in dt's dtype). The kernels' ``fixed_dtypes`` must agree (tested).
 FIXED_INPUT_DTYPES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "Attention": MappingProxyType({"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32",
-                                   "lookahead": "int64"}),
+                                   "lookahead": "int64", "sinks": "float32"}),
     "MoE": MappingProxyType({"expert_bias": "float32"}),
     "ShortConv": MappingProxyType({"slot_idx": "int64", "seq_lens": "int64"}),
     "GatedDeltaRule": MappingProxyType({"g": "float32", "beta": "float32", "slot_idx": "int64", "seq_lens": "int64"}),
+    "SsmScan": MappingProxyType({"A": "float32", "D": "float32", "dt_bias": "float32", "slot_idx": "int64",
+                                 "seq_lens": "int64"}),
 })
 
 # tensorrt.plugin.AutoTuneCombination type names ("FP32"/"FP16", else trt.DataType member names).
@@ -97,7 +103,7 @@ class InPlace:
 # The in-place attribute when an op module does not name it (``IN_PLACE_ATTR``): the lead's
 # design for issue 11. The op module's own ``IN_PLACE_ATTR`` wins.
 IN_PLACE_ATTRS: Mapping[str, str] = MappingProxyType({"Attention": "kv_update", "ShortConv": "state_update",
-                                                     "GatedDeltaRule": "state_update"})
+                                                     "GatedDeltaRule": "state_update", "SsmScan": "state_update"})
 
 # The mode a kernel module implements when its launch_plan does not take the attribute: it
 # writes the rows into the aliased cache/pool and returns nothing else (TensorRT-target graphs
@@ -360,6 +366,10 @@ def _new_rows(d: PluginDef, shapes: Mapping[str, Sequence], state: str) -> tuple
         v = _rank(d, shapes, "v", 4)
         pool = _rank(d, shapes, state, 4)
         return (v[0], pool[1], pool[2], pool[3])
+    if d.name == "SsmScan":  # x [B, S, H, P], pool [slots, H, N, P] -> [B, H, N, P]
+        x = _rank(d, shapes, "x", 4)
+        pool = _rank(d, shapes, state, 4)
+        return (x[0], pool[1], pool[2], pool[3])
     raise ValueError(f"{d.name}: no new-rows rule for state input {state}")
 
 

@@ -28,6 +28,16 @@ derives from the cache lengths): q and k are rotated in the graph by the standar
 rotate-half, in the query's type — cos/sin are cast to it once per distinct pair, shared by
 every layer that shares them), then GQA runs with ``do_rotary=0``.
 
+Attention sinks: a ``use_sinks=1`` node's ``sinks`` go to GQA's ``head_sink`` input (index 11,
+cast to the query's type: exact for sinks that came from the model dtype). onnxruntime 1.32's
+CPU kernel then computes, per query head h and row, m = max(scores, head_sink[h]) and
+probs = exp(scores - m) / (sum(exp(scores - m)) + exp(head_sink[h] - m)) over the row's
+visible (causal, windowed) keys: softmax([scores, sinks[h]]) without the sink's column, which
+is the op's definition (measured against it: ``tests/test_attention_sinks.py``). A
+``use_sinks=0`` node's GQA gets no ``head_sink`` — the very node this pass wrote before sinks
+existed — and the constant it was passed as ``sinks``, read by nothing else, is dropped, so a
+model without sinks lowers to the same graph as before.
+
 Which nodes stay functions: GQA's mask is causal (and windowed) only, so a node whose
 ``lookahead`` is not a constant all-zero tensor (Gemma3's bidirectional images: the graph
 input ``lookahead``) keeps its portable form, run through the op's function. Such a graph
@@ -93,11 +103,12 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     renamed: dict[str, TensorSpec] = {}  # old output name -> new output spec
     new_nodes: list[onnx.NodeProto] = []
     lowered = {id(n) for n in targets}
+    unread_sinks: set[str] = set()  # sinks of use_sinks=0 nodes: constants no GQA node reads
     for node in g.node:
         if id(node) not in lowered:
             new_nodes.append(node)
             continue
-        q, k, v, past_k, past_v, pos, cos, sin, _causal = node.input
+        q, k, v, past_k, past_v, pos, cos, sin, _causal, sinks = node.input
         if pos not in lengths:
             lengths[pos] = _seqlens_k(prologue, pos, seq_lens, len(lengths))
         seqlens_k = lengths[pos]
@@ -126,6 +137,20 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
                                                   num_heads=heads, interleaved=0))
                 rotated.append(name)
             (q, k), tables, rotary = rotated, [], dict(do_rotary=0)
+        gqa_inputs = [q, k, v, past_k, past_v, seqlens_k, total, *tables]
+        if attrs.get("use_sinks", 0) == 1:
+            if types.get(sinks, TensorProto.FLOAT) != elem:
+                key = (sinks, elem)
+                if key not in casts:
+                    casts[key] = f"{sinks}.as_{TensorProto.DataType.Name(elem).lower()}"
+                    # where first read: after the sinks' producer, if the graph computes them
+                    new_nodes.append(helper.make_node("Cast", [sinks], [casts[key]], to=elem, name=casts[key]))
+                sinks = casts[key]
+            # head_sink is input 11: cos/sin (absent with per-token rotary), position_ids and
+            # attention_bias stay empty
+            gqa_inputs += [""] * (11 - len(gqa_inputs)) + [sinks]
+        else:
+            unread_sinks.add(sinks)
         outs = [node.output[0]]
         for old, role in zip(node.output[1:], ("present_key", "present_value")):
             spec = specs[old]
@@ -134,13 +159,14 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
             renamed[old] = new
             outs.append(new.name)
         new_nodes.append(helper.make_node(
-            "GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total, *tables], outs,
+            "GroupQueryAttention", gqa_inputs, outs,
             name=f"{node.name or outs[0]}.gqa", domain=MS_DOMAIN,
             num_heads=attrs["num_heads"], kv_num_heads=attrs["num_kv_heads"], scale=float(attrs["scale"]),
             local_window_size=attrs["window"] if attrs["window"] > 0 else -1, **rotary))
 
     del g.node[:]
     g.node.extend(prologue + new_nodes)
+    _drop_unread_constants(g, unread_sinks)
     for out in g.output:
         if out.name in renamed:
             new = renamed[out.name]
@@ -166,6 +192,29 @@ def _constant_zeros(g: onnx.GraphProto) -> set[str]:
             if value is not None and not numpy_helper.to_array(value).any():
                 found.add(n.output[0])
     return found
+
+
+def _drop_unread_constants(g: onnx.GraphProto, names: set[str]) -> None:
+    """Remove the initializers and Constant nodes among ``names`` that no node or graph output
+    reads any more (the unused ``sinks`` of nodes lowered without a head_sink)."""
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    for n in g.node:  # values a subgraph reads from the outer scope
+        for a in n.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                read |= {i for sn in sub.node for i in sn.input}
+    gone = names - read
+    if not gone:
+        return
+    keep_init = [t for t in g.initializer if t.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(keep_init)
+    keep_nodes = [n for n in g.node if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                                            and n.output[0] in gone)]
+    del g.node[:]
+    g.node.extend(keep_nodes)
+    keep_info = [v for v in g.value_info if v.name not in gone]
+    del g.value_info[:]
+    g.value_info.extend(keep_info)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):

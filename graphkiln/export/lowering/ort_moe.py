@@ -20,8 +20,21 @@ router row whose softmax reproduces it:
 
 ORT's CPU kernel needs SwiGLU with gate/up interleaved by rows (``swiglu_fusion=1``): fc1
 is [E, 2I, H] with rows g0, u0, g1, u1, ...; fc2 is [E, H, I], which is graphkiln's ``down``
-layout already. The SwiGLU is pinned to silu(gate) * up: activation_alpha=1,
-activation_beta=0, no swiglu_limit (no clamp).
+layout already. Its SwiGLU (onnxruntime/contrib_ops/cpu/moe/moe_utils.cc, fp32 for both
+element types) is g = min(gate, swiglu_limit), u = clamp(up, +-swiglu_limit),
+g * sigmoid(activation_alpha * g) * (u + activation_beta), no clamp without swiglu_limit;
+fc1_experts_bias is added before it (interleaved like fc1), fc2_experts_bias after fc2 and
+before the routing weight. Per graphkiln activation:
+    0 silu(gate) * up: alpha 1, beta 0, no limit;
+    2 gpt-oss clamped SwiGLU: alpha, beta 1, swiglu_limit = limit (tested against the reference);
+    1 relu(y)^2 (non-gated; no relu² on CPU): every up row twice (fc1 rows u0, u0, u1, u1, ...,
+      so gate = up = y), beta 0, no limit and alpha 1e30, which makes y * sigmoid(1e30 y) * y
+      exactly relu(y)^2 for every finite fp32 y: sigmoid rounds to exactly 1 once 1e30 y > 17
+      and to 0 once 1e30 y < -88.7 (exp overflows), and for |y| below those (< 1e-28) both y^2
+      and the kernel's product underflow to 0. The price is fc1 twice the size: these layers'
+      expert weights take 3 I H instead of 2 I H per expert (still read only for routed experts).
+The expert biases are passed only when they are not all-zero initializers, so bias-free
+models lower to exactly the graph they did before the op had biases.
 
 Only nodes of the main graph are rewritten. Weight initializers must be in memory (load
 external data first); a ``gate_up`` that is not an initializer is interleaved in the graph.
@@ -42,6 +55,8 @@ _ORT_MOE_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 _FILLER = -1.0e4  # router value of unselected experts (finite in float16; exp underflows to 0)
 _FLOOR = -1.0e3  # router value of a selected expert whose weight is exactly 0
 _TINY = float(np.finfo(np.float32).tiny)
+_RELU2_ALPHA = 1.0e30  # see the module docstring: makes ORT's SwiGLU on duplicated rows exactly relu²
+_SWIGLU, _RELU2, _SWIGLU_CLAMPED = 0, 1, 2  # graphkiln.ops.moe's activation codes
 
 
 def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
@@ -49,10 +64,12 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
 
     Each node becomes fp32 routing in standard ops + one ``com.microsoft.MoE`` (+ a Mul
     rescaling the output where the routing weights do not sum to 1). ``gate_up``
-    initializers are replaced by interleaved copies (``<name>.ort_interleaved``); the
-    originals, and all-zero expert-bias initializers (which cannot change the selection),
-    are dropped when nothing else reads them. Adds the ``com.microsoft`` opset
-    import; drops the MoE function and the ``graphkiln`` opset import once unused.
+    initializers are replaced by interleaved copies (``<name>.ort_interleaved``, or
+    ``<name>.ort_doubled`` for relu² experts; so is a non-zero ``gate_up_bias``); the
+    originals, and all-zero expert-bias and expert-output-bias initializers (which cannot
+    change the selection or the output), are dropped when nothing else reads them. Adds the
+    ``com.microsoft`` opset import; drops the MoE function and the ``graphkiln`` opset import
+    once unused.
     Nodes whose weights have a type ORT's MoE has no CPU kernel for (e.g. bfloat16) are
     left as they are. Returns the number of nodes rewritten.
     """
@@ -63,7 +80,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
     inits = {t.name: t for t in graph.initializer}
     names = _NameScope(graph)
     elem_types = _known_elem_types(graph)
-    interleaved: dict[str, str] = {}  # gate_up initializer -> its interleaved copy
+    interleaved: dict[tuple[str, str], str] = {}  # (initializer, row layout) -> its fc1 copy
     new_nodes: list[onnx.NodeProto] = []
     replaced_inputs: set[str] = set()  # initializers the rewritten nodes read
     rewritten = 0
@@ -92,7 +109,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
 
 def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
     hidden, logits, gate_up, down = node.input[:4]
-    bias = node.input[4] if len(node.input) > 4 else ""
+    bias, gate_up_bias, down_bias = (node.input[i] if len(node.input) > i else "" for i in (4, 5, 6))
     (out,) = node.output
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     missing = {"top_k", "scoring", "normalize", "norm_eps", "routed_scaling"} - set(attrs)
@@ -100,8 +117,12 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
         raise ValueError(f"graphkiln.MoE node {node.name!r} lacks attributes {sorted(missing)}")
     top_k, scoring, normalize = int(attrs["top_k"]), int(attrs["scoring"]), int(attrs["normalize"])
     norm_eps, routed_scaling = float(attrs["norm_eps"]), float(attrs["routed_scaling"])
+    activation = int(attrs.get("activation", _SWIGLU))  # absent: the SPEC defaults
+    alpha, limit = float(attrs.get("alpha", 1.702)), float(attrs.get("limit", 7.0))
     if scoring not in (0, 1):
         raise ValueError(f"graphkiln.MoE node {node.name!r}: unknown scoring {scoring}")
+    if activation not in (_SWIGLU, _RELU2, _SWIGLU_CLAMPED):
+        raise ValueError(f"graphkiln.MoE node {node.name!r}: unknown activation {activation}")
 
     elem = next((elem_types[n] for n in (gate_up, down, hidden) if n in elem_types), None)
     if elem is not None and elem not in _ORT_MOE_TYPES:
@@ -151,7 +172,14 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
     elif elem is None:
         router = add("CastLike", [router, hidden])
 
-    fc1 = _interleaved_gate_up(gate_up, inits, names, interleaved, graph, add, const, opset)
+    rows = "doubled" if activation == _RELU2 else "interleaved"
+    fc1 = _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset)
+    fc1_bias = fc2_bias = ""
+    if gate_up_bias and not _is_zero_initializer(inits.get(gate_up_bias)):
+        fc1_bias = _fc1_rows(_as_elem(gate_up_bias, elem, elem_types, hidden, add), rows, inits, names, interleaved,
+                             graph, add, const, opset)
+    if down_bias and not _is_zero_initializer(inits.get(down_bias)):
+        fc2_bias = _as_elem(down_bias, elem, elem_types, hidden, add)
 
     # --- per-token factor turning w / sum(w) into the graphkiln weights
     scale = None  # None: exactly 1
@@ -172,40 +200,70 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
             scale = add("CastLike", [scale, hidden])
 
     moe_out = out if scale is None else tmp("moe_out")
+    if activation == _SWIGLU_CLAMPED:
+        act = dict(activation_alpha=alpha, activation_beta=1.0, swiglu_limit=limit)
+    elif activation == _RELU2:
+        act = dict(activation_alpha=_RELU2_ALPHA, activation_beta=0.0)
+    else:
+        act = dict(activation_alpha=1.0, activation_beta=0.0)
+    moe_inputs = [hidden, router, fc1, fc1_bias, down, fc2_bias]
+    while not moe_inputs[-1]:  # trailing optional inputs left out, as before the op had biases
+        moe_inputs.pop()
     nodes.append(helper.make_node(
-        MOE_OP, [hidden, router, fc1, "", down], [moe_out], name=names.fresh(f"{prefix}/ort_MoE"),
-        domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1,
-        activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0))
+        MOE_OP, moe_inputs, [moe_out], name=names.fresh(f"{prefix}/ort_MoE"),
+        domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=0, **act))
     if scale is not None:
         nodes.append(helper.make_node("Mul", [moe_out, scale], [out], name=names.fresh(f"{prefix}/ort_Mul")))
     return nodes
 
 
-def _interleaved_gate_up(gate_up, inits, names, interleaved, graph, add, const, opset) -> str:
-    """fc1 for ORT: gate_up [E, 2I, H] (gate rows, then up rows) -> rows g0, u0, g1, u1, ..."""
+def _as_elem(value, elem, elem_types, hidden, add) -> str:
+    """``value`` in the MoE's element type (ORT's biases are T, like its weights)."""
+    known = elem_types.get(value)
+    if elem is None:
+        return add("CastLike", [value, hidden])
+    return value if known == elem else add("Cast", [value], to=elem)
+
+
+def _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset) -> str:
+    """fc1 (or its bias) for ORT, rows along axis 1: ``rows`` "interleaved": gate_up [E, 2I, ...]
+    (gate rows, then up rows) -> rows g0, u0, g1, u1, ...; "doubled": the relu² experts' up
+    rows [E, I, ...] -> u0, u0, u1, u1, ... (gate = up, see the module docstring)."""
     init = inits.get(gate_up)
-    if init is None:  # not a constant we can rewrite: interleave at run time
-        if opset >= 18:
+    if init is None:  # not a constant we can rewrite: pair the rows at run time
+        axis = const([2], np.int64, "axes")
+        if rows == "doubled":
+            g = u = gate_up
+        elif opset >= 18:
             g, u = add("Split", [gate_up], n_out=2, axis=1, num_outputs=2)
         else:
             g, u = add("Split", [gate_up], n_out=2, axis=1)
-        axis = const([2], np.int64, "axes")
-        pairs = add("Concat", [add("Unsqueeze", [g, axis]), add("Unsqueeze", [u, axis])], axis=2)  # [E, I, 2, H]
-        return add("Reshape", [pairs, add("Shape", [gate_up])])
-    if gate_up in interleaved:
-        return interleaved[gate_up]
+        pairs = add("Concat", [add("Unsqueeze", [g, axis]), add("Unsqueeze", [u, axis])], axis=2)  # [E, I, 2, ...]
+        shape = add("Shape", [gate_up])
+        if rows == "doubled":  # [E, 2I, ...]: E, then -1 for the doubled rows, then the trailing dims
+            tail = add("Slice", [shape, const([2], np.int64, "start"), const([np.iinfo(np.int64).max], np.int64, "end")])
+            shape = add("Concat", [const([0, -1], np.int64, "shape"), tail], axis=0)
+        return add("Reshape", [pairs, shape])
+    key = (gate_up, rows)
+    if key in interleaved:
+        return interleaved[key]
     arr = _initializer_array(init)
-    if arr.ndim != 3 or arr.shape[1] % 2:
-        raise ValueError(f"gate_up {gate_up!r} has shape {arr.shape}; expected [E, 2I, H]")
-    e, two_i, h = arr.shape
-    arr = np.ascontiguousarray(arr.reshape(e, 2, two_i // 2, h).transpose(0, 2, 1, 3).reshape(e, two_i, h))
-    name = names.fresh(f"{gate_up}.ort_interleaved")
+    if arr.ndim not in (2, 3) or (rows == "interleaved" and arr.shape[1] % 2):
+        raise ValueError(f"{gate_up!r} has shape {arr.shape}; expected [E, 2I, H] or [E, 2I] (gate then up rows), "
+                         "or [E, I, H] / [E, I] for relu² experts")
+    tail = arr.shape[2:]
+    if rows == "doubled":
+        arr = np.ascontiguousarray(np.repeat(arr, 2, axis=1))
+    else:
+        e, two_i = arr.shape[:2]
+        arr = np.ascontiguousarray(arr.reshape(e, 2, two_i // 2, *tail).swapaxes(1, 2).reshape(e, two_i, *tail))
+    name = names.fresh(f"{gate_up}.ort_{rows}")
     tensor = graph.initializer.add()  # filled in place: no copy of a temporary TensorProto
     tensor.name = name
     tensor.data_type = init.data_type
     tensor.dims.extend(arr.shape)
     tensor.raw_data = arr.tobytes()
-    interleaved[gate_up] = name
+    interleaved[key] = name
     return name
 
 

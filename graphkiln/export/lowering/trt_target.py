@@ -10,7 +10,7 @@ TensorRT needs differently:
 * every ``graphkiln`` node gets ``aot=1``: the parser builds the plugin from its ahead-of-time
   Triton kernel, so the engine runs without Python (``graphkiln.plugins_trt``);
 * ops with in-place state get their in-place mode (``IN_PLACE_ATTR`` of the op module:
-  Attention ``kv_update=1``, ShortConv and GatedDeltaRule ``state_update=1``), so their state outputs are the
+  Attention ``kv_update=1``, ShortConv, GatedDeltaRule and SsmScan ``state_update=1``), so their state outputs are the
   whole cache / pool, which the plugin aliases to the state input and writes in place:
     - ``new_key.i`` / ``new_value.i`` [batch, kv_heads, seq, head_dim] become
       ``present_key.i`` / ``present_value.i`` [batch, kv_heads, cache_len, head_dim] (the shape
@@ -24,8 +24,9 @@ TensorRT needs differently:
   The runtime binds each of these outputs to the buffer it feeds as the matching input;
 * inputs a plugin reads in fp32 whatever the model dtype (``FP32_INPUTS``: MoE's routing bias,
   which a model with a learned bias stores in the model dtype; Attention's cos/sin, tables or,
-  with ``rope_layout=1``, per-token values the graph computes; GatedDeltaRule's g and beta, the
-  latter computed in the model dtype) get a Cast to fp32 where they are not fp32 already (exact: the op's reference rounds them to the activation dtype anyway,
+  with ``rope_layout=1``, per-token values the graph computes, and its sinks (fp32 by the op's
+  contract: a cast only if a graph passes them otherwise); GatedDeltaRule's g and beta, the
+  latter computed in the model dtype; SsmScan's A, D and dt_bias, parameters) get a Cast to fp32 where they are not fp32 already (exact: the op's reference rounds them to the activation dtype anyway,
   and so does the kernel after reading them).
 
 Nothing else changes: the same initializers (the data file is untouched), the model-local
@@ -49,7 +50,8 @@ from graphkiln.ops import DOMAIN, op_modules, specs
 TRT_OPSET = 23  # RMSNormalization (native in the parser) is an opset-23 op; the parser reads opsets 9-24
 
 # op -> inputs its TensorRT plugin's kernel reads as fp32 (graphkiln.plugins_trt.rules.FIXED_INPUT_DTYPES)
-FP32_INPUTS = {"MoE": ("expert_bias",), "Attention": ("cos_cache", "sin_cache"), "GatedDeltaRule": ("g", "beta")}
+FP32_INPUTS = {"MoE": ("expert_bias",), "Attention": ("cos_cache", "sin_cache", "sinks"), "GatedDeltaRule": ("g", "beta"),
+               "SsmScan": ("A", "D", "dt_bias")}
 
 # state output role -> (its role in the lowered graph, its name prefix there)
 _IN_PLACE_OUTPUTS = {"new_key": ("present_key", "present_key"), "new_value": ("present_value", "present_value"),

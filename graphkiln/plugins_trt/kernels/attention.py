@@ -7,7 +7,10 @@ token's (row, index) — query head h reads KV head h // (Nq / Nkv); a new token
 sees cached keys at positions < start_b (= position_ids[b, 0]) and new keys at positions
 <= p + lookahead (int64 [B|1, S|1]: a dim of 1 is broadcast, decided at build time as
 constexprs LOOKAHEAD_B / LOOKAHEAD_S), and with ``window`` > 0 only keys at positions
-> p - window; fp32 softmax. Besides
+> p - window; fp32 softmax; with ``use_sinks`` = 1 (constexpr SINKS) query head h's softmax also
+counts the logit sinks[h] (fp32 [Nq]), whose probability is dropped — one more term in the
+running max and sum, folded in after the keys; with 0 the kernel is compiled without that code
+and never reads ``sinks``. Besides
 ``out`` the kernel stores row b's rotated new keys and its values into present_key /
 present_value [B, Nkv, C, D] at positions position_ids[b, s] (positions outside [0, C) are
 skipped). It writes ONLY those rows, so present_* must alias past_* (TensorRT: outputs
@@ -32,7 +35,8 @@ loads serves the whole group: the cache is read once per KV head, not once per q
      through an online softmax (fp32 max, sum and accumulator).
   2. It streams the new tokens 0..(furthest visible one) from k/v, rotating k itself, and
      stores the rotated keys and the values of its OWN tile's tokens into the cache.
-  3. It normalises and writes out for its rows.
+  3. With SINKS it folds each row's head's sink into the max and sum; it normalises and writes
+     out for its rows.
 Race freedom in one launch: programs read cache positions < start_b only and write positions
 start_b + s >= start_b; new keys are always taken from k/v, never read back from the cache, so
 no program depends on another's writes, and a program's own writes follow its cache reads.
@@ -59,12 +63,13 @@ MAX_HEAD_DIM = 256  # larger heads would need a D-tiled kernel (registers)
 
 @triton.jit
 def attention_kernel(
-    q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead,
+    q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks,
     seq_len, cache_len, rope_len,
     out, present_key, present_value,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, ROPE_LAYOUT: tl.constexpr, LOOKAHEAD_B: tl.constexpr, LOOKAHEAD_S: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     REP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -202,19 +207,29 @@ def attention_kernel(
         acc = acc * alpha2[:, None] + tl.dot(p2.to(dt), new_v.to(dt), input_precision=PREC)
         m_i = m2
 
+    if SINKS:
+        # The sink is one more logit of the row's softmax with no value: rescale to the max
+        # including it and add its exp to the sum. A row that saw no key gets l = 1, out = 0.
+        sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_sink = tl.maximum(m_i, sink)
+        alpha_sink = tl.exp(m_i - m_sink)
+        l_i = l_i * alpha_sink + tl.exp(sink - m_sink)
+        acc = acc * alpha_sink[:, None]
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out + q_off[:, None] + d[None, :], o.to(out.dtype.element_ty), mask=q_mask)
 
 
-_INPUTS = SPEC.inputs  # q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead
+_INPUTS = SPEC.inputs  # q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, lookahead, sinks
 _SCALARS = ("seq_len", "cache_len", "rope_len")
 # SPEC's outputs (out, new_key, new_value) in kv_update=1 form: the whole cache, aliased to past_*
 _OUTPUTS = ("out", "present_key", "present_value")
 _CONSTEXPRS = ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "WINDOW", "SCALE", "BLOCK_M", "BLOCK_N", "BLOCK_D", "ROWS",
-               "ROPE_LAYOUT", "LOOKAHEAD_B", "LOOKAHEAD_S")
+               "ROPE_LAYOUT", "LOOKAHEAD_B", "LOOKAHEAD_S", "SINKS")
 # export writes the rotary tables as fp32 graph constants (DecoderLM.set_rope_positions), and
-# M-RoPE's per-token values are gathered from them in fp32 (DecoderForExport._rope)
-_FIXED = {"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32", "lookahead": "int64"}
+# M-RoPE's per-token values are gathered from them in fp32 (DecoderForExport._rope); sinks are
+# fp32 (the decoder casts its parameter; export.lowering.trt_target casts any other)
+_FIXED = {"position_ids": "int64", "cos_cache": "float32", "sin_cache": "float32", "lookahead": "int64",
+          "sinks": "float32"}
 
 DECODE = KernelSpec("attention_decode", attention_kernel, _INPUTS, _SCALARS, _OUTPUTS, _CONSTEXPRS, _FIXED)
 PREFILL = KernelSpec("attention_prefill", attention_kernel, _INPUTS, _SCALARS, _OUTPUTS, _CONSTEXPRS, _FIXED)
@@ -237,10 +252,11 @@ def _pow2(n: int) -> int:
 def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_shape, past_key_shape, cos_shape,
                 cdiv=ceil_div, *, dtype: str = "float16", kernel: KernelSpec | None = None,
                 block_m: int | None = None, block_n: int | None = None, lookahead_shape=(1, 1),
-                rope_layout: int = 0) -> LaunchPlan:
+                rope_layout: int = 0, use_sinks: int = 0, sinks_shape=None) -> LaunchPlan:
     """How to launch ``kernel`` (DECODE or PREFILL; chosen by S when S is an int and kernel is
     None) for q [B, S, Nq*D] of ``dtype``, past_key [B, Nkv, C, D], cos_cache [P, D/2]
-    (``rope_layout`` 0) or [B, S, D/2] (1), lookahead [B|1, S|1].
+    (``rope_layout`` 0) or [B, S, D/2] (1), lookahead [B|1, S|1], sinks [Nq] (read only with
+    ``use_sinks`` = 1; its shape, when given, is checked then).
 
     B, S, C and P may be symbolic (TensorRT ``shape_expr`` entries); D must be an int (it
     sizes the tiles: the plugin resolves the constant head dim). A lookahead dim is broadcast
@@ -277,6 +293,11 @@ def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_
         raise ValueError(f"attention kernel: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if window < 0:
         raise ValueError(f"attention kernel: window {window} is negative")
+    if use_sinks not in (0, 1) or isinstance(use_sinks, bool):
+        raise ValueError(f"attention kernel: use_sinks {use_sinks!r} is not 0 or 1")
+    if use_sinks and sinks_shape is not None:
+        if len(sinks_shape) != 1 or (isinstance(sinks_shape[0], int) and sinks_shape[0] != num_heads):
+            raise ValueError(f"attention kernel: sinks has shape {tuple(sinks_shape)}, expected [{num_heads}]")
     if rope_layout == 1:
         for got, want, what in ((cos_shape[0], b, "batch"), (cos_shape[1], s, "sequence")):
             if isinstance(got, int) and isinstance(want, int) and got != want:
@@ -308,20 +329,22 @@ def launch_plan(num_heads: int, num_kv_heads: int, window: int, scale: float, q_
         "NUM_HEADS": num_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": d, "WINDOW": window,
         "SCALE": float(scale), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
         "ROWS": max(16, _pow2(block_m * rep)), "ROPE_LAYOUT": rope_layout,
-        "LOOKAHEAD_B": int(not broadcast[0]), "LOOKAHEAD_S": int(not broadcast[1]),
+        "LOOKAHEAD_B": int(not broadcast[0]), "LOOKAHEAD_S": int(not broadcast[1]), "SINKS": use_sinks,
     }
     return LaunchPlan(kernel, constexprs, (cdiv(s, block_m), num_kv_heads, b), (s, c, p), num_warps=4)
 
 
 def run_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_cache, num_heads: int,
                   num_kv_heads: int, window: int, scale: float, *, lookahead=None, rope_layout: int = 0,
-                  kernel: KernelSpec | None = None, block_m: int | None = None, block_n: int | None = None):
+                  sinks=None, use_sinks: int = 0, kernel: KernelSpec | None = None,
+                  block_m: int | None = None, block_n: int | None = None):
     """Launch on torch tensors: writes the new rows into past_key/past_value IN PLACE (they are
     present_key/present_value) and returns out [B, S, Nq*D].
 
-    ``lookahead`` (int64 [B|1, S|1]; None: causal, a zero [1, 1]) is keyword-only so causal
-    callers written before it (scripts/gpu_check.py) keep their positional calls; the plugin's
-    ``impl`` binds every input by name."""
+    ``lookahead`` (int64 [B|1, S|1]; None: causal, a zero [1, 1]) and ``sinks`` (fp32 [Nq], read
+    only with ``use_sinks`` = 1, as the op's attribute says; None: none) are keyword-only so
+    callers written before them (scripts/gpu_check.py) keep their positional calls; the
+    plugin's ``impl`` binds every input and attribute by name."""
     import torch
 
     b, s, _ = q.shape
@@ -339,13 +362,19 @@ def run_attention(q, k, v, past_key, past_value, position_ids, cos_cache, sin_ca
         raise ValueError("attention kernel: lookahead must be int64")
     cos_cache = cos_cache.to(torch.float32).contiguous()
     sin_cache = sin_cache.to(torch.float32).contiguous()
+    if sinks is None:
+        if use_sinks:
+            raise ValueError("attention kernel: use_sinks=1 needs sinks")
+        sinks = torch.zeros(num_heads, dtype=torch.float32, device=q.device)  # never read
+    sinks = sinks.to(torch.float32).contiguous()
     plan = launch_plan(num_heads, num_kv_heads, window, scale, tuple(q.shape), tuple(past_key.shape),
                        tuple(cos_cache.shape), dtype=dtype, kernel=kernel, block_m=block_m, block_n=block_n,
-                       lookahead_shape=tuple(lookahead.shape), rope_layout=rope_layout)
+                       lookahead_shape=tuple(lookahead.shape), rope_layout=rope_layout, use_sinks=use_sinks,
+                       sinks_shape=tuple(sinks.shape))
     out = torch.empty_like(q)
     if b == 0 or s == 0:
         return out
     plan.kernel.fn[plan.grid](q, k, v, past_key, past_value, position_ids.contiguous(), cos_cache, sin_cache,
-                              lookahead.contiguous(), *plan.scalars, out, past_key, past_value,
+                              lookahead.contiguous(), sinks, *plan.scalars, out, past_key, past_value,
                               num_warps=plan.num_warps, **plan.constexprs)
     return out

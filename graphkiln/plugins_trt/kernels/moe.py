@@ -1,10 +1,15 @@
-"""Triton kernel for ``graphkiln.MoE``: routing and routed SwiGLU experts in one launch.
+"""Triton kernel for ``graphkiln.MoE``: routing and routed experts in one launch.
 
 Semantics are ``graphkiln.ops.moe`` (its ``reference``): scores = softmax or sigmoid of the
 router logits (fp32), experts = top_k of scores + expert_bias (the bias only *selects*),
 weights = the unbiased scores of those experts, divided by (sum + norm_eps) when normalize=1,
 times routed_scaling, rounded to the hidden dtype; out = sum over the token's experts of
-weight * down_e(silu(gate_e x) * up_e x).
+weight * (down_e(act(gate_up_e x + gate_up_bias_e)) + down_bias_e), act by ACTIVATION:
+0 silu(gate) * up, 1 relu(up)^2 (non-gated: gate_up holds only the I up rows, and no gate
+row is read), 2 min(gate, LIMIT) * sigmoid(ALPHA * min(gate, LIMIT)) * (clamp(up, +-LIMIT) + 1).
+The expert biases cost (F + BLOCK_H) element loads per routed expert and program, against the
+F * H + BLOCK_H * I of its weights: below 1% at H >= 128, so bias-free models (zeros) pay
+nothing measurable for them.
 
 Grid and ownership
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H), 1). Program (i, j) owns out[token block i,
@@ -57,10 +62,11 @@ Trade-offs, and what would be better
     TensorRT-target graph; this module's routing and tiling carry over to both.
 
 dtypes: fp16/bf16/fp32 for hidden, router_logits, gate_up, down and out (the plugin's one
-dtype); expert_bias is fp32 (a routing table, read as the reference reads it). Dots take the
-weights' dtype with fp32 accumulation (fp32: IEEE, not TF32). Attributes are constexpr:
-float attributes must be (TensorRT extras are int32 only), so the plugin compiles per
-attribute set anyway, and a constexpr TOP_K unrolls the selection. E, H and I compile in too
+dtype, gate_up_bias and down_bias too); expert_bias is fp32 (a routing table, read as the
+reference reads it). Dots take the weights' dtype with fp32 accumulation (fp32: IEEE, not
+TF32). Attributes are constexpr: float attributes must be (TensorRT extras are int32 only),
+so the plugin compiles per attribute set anyway, and a constexpr TOP_K unrolls the selection
+(ALPHA and LIMIT are pinned to their defaults unless ACTIVATION is 2, so they split no cache). E, H and I compile in too
 (weight dims, static in any engine); T, the token count, is the one int32 scalar. Loops are
 bounded by constexprs only: Triton 3.2's interpreter cannot loop to a runtime scalar under
 numpy 2.
@@ -74,6 +80,7 @@ from typing import Callable
 import triton
 import triton.language as tl
 
+from graphkiln.ops import moe as moe_op
 from graphkiln.plugins_trt.kernels import aot
 
 
@@ -90,12 +97,13 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def moe_kernel(hidden, router_logits, gate_up, down, expert_bias,
+def moe_kernel(hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias,
                T,
                out,
                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                TOP_K: tl.constexpr, SCORING: tl.constexpr, NORMALIZE: tl.constexpr,
                NORM_EPS: tl.constexpr, ROUTED_SCALING: tl.constexpr,
+               ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
                E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -133,6 +141,9 @@ def moe_kernel(hidden, router_logits, gate_up, down, expert_bias,
     w = w * ROUTED_SCALING
     w = w.to(out.dtype.element_ty).to(tl.float32)  # the reference applies weights in the hidden dtype
 
+    # rows of gate_up per expert: gate then up (2I), or only the up rows (I) for relu²
+    F: tl.constexpr = I if ACTIVATION == 1 else 2 * I
+    UP: tl.constexpr = 0 if ACTIVATION == 1 else I  # the first up row
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     offs_ib = tl.arange(0, BLOCK_I)
     offs_kb = tl.arange(0, BLOCK_K)
@@ -141,7 +152,8 @@ def moe_kernel(hidden, router_logits, gate_up, down, expert_bias,
         tok_e = tl.max(tl.where(is_e, routed, 0), axis=1) != 0  # [BLOCK_T]: token picked e
         if tl.max(tok_e.to(tl.int32), axis=0) != 0:  # else: expert e is never read
             w_e = tl.sum(tl.where(is_e, w, 0.0), axis=1)
-            gu_e = gate_up + tl.cast(e, tl.int64) * (2 * I * H)
+            gu_e = gate_up + tl.cast(e, tl.int64) * (F * H)
+            gub_e = gate_up_bias + e * F
             dn_e = down + tl.cast(e, tl.int64) * (H * I)
             for i0 in range(0, I, BLOCK_I):
                 offs_i = i0 + offs_ib
@@ -154,15 +166,30 @@ def moe_kernel(hidden, router_logits, gate_up, down, expert_bias,
                     x = tl.load(hidden + offs_t[:, None] * H + offs_k[None, :],
                                 mask=t_ok[:, None] & k_ok[None, :], other=0.0)
                     wmask = k_ok[:, None] & i_ok[None, :]
-                    wg = tl.load(gu_e + offs_i[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
-                    wu = tl.load(gu_e + (I + offs_i)[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
-                    g = _dot(x, wg, g, UPCAST)
+                    if ACTIVATION != 1:
+                        wg = tl.load(gu_e + offs_i[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
+                        g = _dot(x, wg, g, UPCAST)
+                    wu = tl.load(gu_e + (UP + offs_i)[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
                     u = _dot(x, wu, u, UPCAST)
-                act = g * tl.sigmoid(g) * u
+                u += tl.load(gub_e + UP + offs_i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+                if ACTIVATION == 1:
+                    r = tl.maximum(u, 0.0)
+                    act = r * r
+                else:
+                    g += tl.load(gub_e + offs_i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+                    if ACTIVATION == 2:
+                        g = tl.minimum(g, LIMIT)
+                        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+                        act = g * tl.sigmoid(g * ALPHA) * (u + 1.0)
+                    else:
+                        act = g * tl.sigmoid(g) * u
                 act = tl.where(tok_e[:, None], act * w_e[:, None], 0.0)
                 wd = tl.load(dn_e + offs_h[None, :] * I + offs_i[:, None],
                              mask=i_ok[:, None] & h_ok[None, :], other=0.0)
                 acc = _dot(act.to(wd.dtype), wd, acc, UPCAST)
+            # the expert's output bias, weighted like its output (0 for tokens that did not pick it)
+            db = tl.load(down_bias + e * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            acc += tl.where(tok_e[:, None], w_e[:, None] * db[None, :], 0.0)
     tl.store(out + offs_t[:, None] * H + offs_h[None, :], acc.to(out.dtype.element_ty),
              mask=t_ok[:, None] & h_ok[None, :])
 
@@ -170,11 +197,11 @@ def moe_kernel(hidden, router_logits, gate_up, down, expert_bias,
 MOE = aot.KernelSpec(
     name="moe",
     fn=moe_kernel,
-    inputs=("hidden", "router_logits", "gate_up", "down", "expert_bias"),
+    inputs=("hidden", "router_logits", "gate_up", "down", "expert_bias", "gate_up_bias", "down_bias"),
     scalars=("T",),
     outputs=("out",),
     constexprs=("E", "H", "I", "TOP_K", "SCORING", "NORMALIZE", "NORM_EPS", "ROUTED_SCALING",
-                "E_PAD", "BLOCK_T", "BLOCK_H", "BLOCK_I", "BLOCK_K", "UPCAST"),
+                "ACTIVATION", "ALPHA", "LIMIT", "E_PAD", "BLOCK_T", "BLOCK_H", "BLOCK_I", "BLOCK_K", "UPCAST"),
     fixed_dtypes={"expert_bias": "float32"},
 )
 
@@ -214,8 +241,10 @@ def _pow2(n: int) -> int:
 
 
 def launch_plan(hidden_shape, router_logits_shape, gate_up_shape, down_shape, *, top_k: int, scoring: int,
-                normalize: int, norm_eps: float, routed_scaling: float, cdiv: Callable = aot.ceil_div,
-                dtype: str = "float16", tactic: str | None = None, interpret: bool = False) -> aot.LaunchPlan:
+                normalize: int, norm_eps: float, routed_scaling: float, activation: int = 0,
+                alpha: float = moe_op.GPT_OSS_ALPHA, limit: float = moe_op.GPT_OSS_LIMIT,
+                cdiv: Callable = aot.ceil_div, dtype: str = "float16", tactic: str | None = None,
+                interpret: bool = False) -> aot.LaunchPlan:
     """The one launch of ``moe_kernel`` for these shapes and attributes.
 
     T (hidden_shape[0]) may be symbolic: it is the kernel's one int32 scalar. E, H and I are
@@ -233,6 +262,12 @@ def launch_plan(hidden_shape, router_logits_shape, gate_up_shape, down_shape, *,
         raise ValueError(f"scoring and normalize must be 0 or 1, got {scoring} and {normalize}")
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}] (the number of experts), got {top_k}")
+    rows = static_dim(gate_up_shape[1], "gate_up's rows")
+    if rows != moe_op.gate_up_rows(i, activation):  # also refuses an unknown activation
+        raise ValueError(f"activation {activation}: gate_up has {rows} rows per expert, expected "
+                         f"{moe_op.gate_up_rows(i, activation)} for intermediate size {i}")
+    if activation != moe_op.SWIGLU_CLAMPED:  # unread: one compiled kernel whatever the node carries
+        alpha, limit = moe_op.GPT_OSS_ALPHA, moe_op.GPT_OSS_LIMIT
     if tactic is None:
         tactic = "prefill" if isinstance(t, int) and t > DECODE_MAX_TOKENS else "decode"
     if dtype not in ("float16", "bfloat16", "float32"):
@@ -240,6 +275,7 @@ def launch_plan(hidden_shape, router_logits_shape, gate_up_shape, down_shape, *,
     bt, bh, bi, bk = TACTICS[(tactic, dtype == "float32")]
     constexprs = {"E": e, "H": h, "I": i, "TOP_K": int(top_k), "SCORING": int(scoring),
                   "NORMALIZE": int(normalize), "NORM_EPS": float(norm_eps), "ROUTED_SCALING": float(routed_scaling),
+                  "ACTIVATION": int(activation), "ALPHA": float(alpha), "LIMIT": float(limit),
                   "E_PAD": _pow2(e), "BLOCK_T": bt, "BLOCK_H": bh, "BLOCK_I": bi, "BLOCK_K": bk,
                   "UPCAST": bool(interpret)}
     return aot.LaunchPlan(MOE, constexprs, (grid_div(cdiv, t, bt), aot.ceil_div(h, bh), 1), (t,), num_warps=4)
@@ -249,19 +285,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def run_moe(hidden, router_logits, gate_up, down, expert_bias, top_k: int, scoring: int, normalize: int,
-            norm_eps: float, routed_scaling: float, out=None, tactic: str | None = None):
+def run_moe(hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias, top_k: int, scoring: int,
+            normalize: int, norm_eps: float, routed_scaling: float, activation: int = 0,
+            alpha: float = moe_op.GPT_OSS_ALPHA, limit: float = moe_op.GPT_OSS_LIMIT, out=None,
+            tactic: str | None = None):
     """Launch the kernel on torch tensors (contiguous; expert_bias is read as fp32); returns out [T, H]."""
     import torch
 
-    hidden, router_logits, gate_up, down = (a.contiguous() for a in (hidden, router_logits, gate_up, down))
+    hidden, router_logits, gate_up, down, gate_up_bias, down_bias = (
+        a.contiguous() for a in (hidden, router_logits, gate_up, down, gate_up_bias, down_bias))
     expert_bias = expert_bias.to(torch.float32).contiguous()
     if out is None:
         out = torch.empty_like(hidden)
     plan = launch_plan(tuple(hidden.shape), tuple(router_logits.shape), tuple(gate_up.shape), tuple(down.shape),
                        top_k=top_k, scoring=scoring, normalize=normalize, norm_eps=norm_eps,
-                       routed_scaling=routed_scaling, dtype=str(hidden.dtype).removeprefix("torch."), tactic=tactic,
+                       routed_scaling=routed_scaling, activation=activation, alpha=alpha, limit=limit, dtype=str(hidden.dtype).removeprefix("torch."), tactic=tactic,
                        interpret=_interpreting() and hidden.dtype == torch.bfloat16)
-    moe_kernel[plan.grid](hidden, router_logits, gate_up, down, expert_bias, *plan.scalars, out,
+    moe_kernel[plan.grid](hidden, router_logits, gate_up, down, expert_bias, gate_up_bias, down_bias,
+                          *plan.scalars, out,
                           num_warps=plan.num_warps, **plan.constexprs)
     return out
