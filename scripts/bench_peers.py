@@ -6,6 +6,8 @@ One run, one random-init checkpoint per model, the same thread count for every r
   llama   LlamaForCausalLM, hidden 1024, 16 layers, 16/4 heads, intermediate 2816, vocab 32000,
           untied (~246M; the model of scripts/bench_decode.py)
   qwen3   Qwen3ForCausalLM (dense), same shape, head_dim 64, q/k norm, untied (~246M)
+  gpt_oss GptOssForCausalLM, hidden 1024, 12 layers alternating sliding/full attention with sinks,
+          8 experts top-2 of intermediate 512 (~248M total)
 
 Rows (each a peer run as it ships, with its own defaults):
   graphkiln fp32           graphkiln export --target onnxruntime (--max-seq-len 1024) +
@@ -90,6 +92,11 @@ MODELS = {
     "llama": ("LlamaConfig", None),
     "qwen3": ("Qwen3Config", dict(head_dim=64, num_hidden_layers=16, intermediate_size=2816,
                                   tie_word_embeddings=False)),
+    # gpt-oss-shaped: 12 layers alternating sliding (128) / full attention with sinks, 8 experts top-2
+    # of 512 with biases and the clamped SwiGLU (~248M total)
+    "gpt_oss": ("GptOssConfig", dict(head_dim=64, num_hidden_layers=12, intermediate_size=512, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=128, tie_word_embeddings=False,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 VENVS = {

@@ -86,16 +86,6 @@ SPECS: dict[str, Spec] = {
                                "eos_token_id": [5, 7], "bos_token_id": 1, "max_new_tokens": 24},
         ),
         Spec(
-            "qwen3_gqa_head_dim",
-            "Qwen3ForCausalLM",
-            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, attention_bias=True, tie_word_embeddings=False,
-                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                  "original_max_position_embeddings": 64}),
-            seed=14,
-            features=("gqa", "untied", "qk_norm", "explicit_head_dim", "attention_bias", "rope_yarn"),
-        ),
-        Spec(
             "mistral_sliding",
             "MistralForCausalLM",
             dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -252,6 +242,20 @@ SPECS: dict[str, Spec] = {
             seed=32,
             features=("attention_sinks", "sliding_window", "mixed_layer_types", "moe", "expert_biases",
                       "clamped_swiglu", "rope_scaling", "attention_bias"),
+        ),
+        Spec(
+            "phi3",
+            "Phi3ForCausalLM",
+            # Phi-4-mini's shape: fused qkv_proj and gate_up_proj, three quarters of each head rotated,
+            # longrope (its short factors, exact up to original_max_position_embeddings), tied
+            dict(_COMMON, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 original_max_position_embeddings=MAX_SEQ_LEN, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1],
+                                  "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 13.0]},
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            seed=34,
+            features=("fused_checkpoint_projections", "partial_rotary", "rope_scaling", "tied"),
         ),
         Spec(
             "gemma3_text",

@@ -35,10 +35,12 @@ def test_manifest_describes_the_model(case):
     g = m.graph("decoder")
     assert (case.artifact / g.file).is_file()
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    # a gated-delta-net layer (linear_attention) holds a conv state and a recurrent state
+    # a gated-delta-net or Mamba-2 layer (linear_attention) holds a conv state and a recurrent state;
+    # Nemotron-H's mlp and moe blocks hold neither
     conv_layers = [i for i, t in enumerate(types) if t in ("conv", "linear_attention")]
     recurrent_layers = [i for i, t in enumerate(types) if t == "linear_attention"]
-    attn_layers = [i for i, t in enumerate(types) if i not in conv_layers]
+    ffn_only = [i for i, t in enumerate(types) if t in ("mlp", "moe")]
+    attn_layers = [i for i, t in enumerate(types) if i not in conv_layers + ffn_only]
     past = [t for t in g.inputs if t.role in ("past_key", "past_value")]
     assert sorted({t.layer for t in past}) == attn_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -51,7 +53,7 @@ def test_manifest_describes_the_model(case):
     # layer once per kind
     for kind, want in (("kv", attn_layers), ("conv", conv_layers), ("recurrent", recurrent_layers)):
         assert sorted(l for s in m.states if s.kind == kind for l in s.layers) == want
-    assert sorted(set(attn_layers) | set(conv_layers)) == list(range(cfg.num_hidden_layers))
+    assert sorted(set(attn_layers) | set(conv_layers) | set(ffn_only)) == list(range(cfg.num_hidden_layers))
     assert all(s.max_seq_len == case.max_seq_len for s in m.states if s.kind == "kv")
     assert {s.kind for s in m.states} == {"kv"} | ({"conv"} if conv_layers else set()) | (
         {"recurrent"} if recurrent_layers else set())

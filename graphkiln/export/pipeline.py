@@ -81,6 +81,14 @@ def check_max_seq_len(max_seq_len: int, cfg, what: str = "--max-seq-len") -> Non
     if max_seq_len > MAX_SEQ_LEN_LIMIT:
         raise GraphkilnError(f"{what} {max_seq_len} is too large: positions are 32-bit in onnxruntime, use at most "
                              f"{MAX_SEQ_LEN_LIMIT}")
+    for rope in cfg.ropes.values():
+        # longrope has two factor sets: transformers rotates every position with the long ones once
+        # a sequence passes original_max_position_embeddings; one static table can only be the short
+        limit = rope.parameters.get("original_max_position_embeddings") or cfg.raw.get("original_max_position_embeddings")
+        if rope.rope_type == "longrope" and isinstance(limit, int) and max_seq_len > limit:
+            raise GraphkilnError(f"{what} {max_seq_len} is past this model's original_max_position_embeddings {limit}, "
+                                 "where its longrope rotary switches to its long factors for every position: export "
+                                 f"with --max-seq-len {limit} or less")
     flavors = len(cfg.ropes)
     table_bytes = 2 * flavors * max_seq_len * (cfg.head_dim // 2) * 4
     # building them holds the angles and a product as well: about twice the tables at the peak

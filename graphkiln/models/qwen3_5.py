@@ -41,10 +41,12 @@ def hybrid_layers(raw: dict, architecture: str) -> tuple[LayerSpec, ...]:
     return tuple(LayerSpec(mixer="gated_delta" if t == "linear_attention" else "attention") for t in types)
 
 
-def rotary_dim(raw: dict, head_dim: int) -> int:
+def rotary_dim(raw: dict, head_dim: int, default: float = 0.25) -> int:
+    """The rotated dims of each head: ``partial_rotary_factor`` (in rope_parameters or at the top)
+    times head_dim, even and at least 2."""
     rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     source = rope if "partial_rotary_factor" in rope else raw
-    factor = cfg_float(source, "partial_rotary_factor", 0.25, positive=True)
+    factor = cfg_float(source, "partial_rotary_factor", default, positive=True)
     dim = int(head_dim * factor)
     if dim < 2 or dim > head_dim or dim % 2:
         raise GraphkilnError(f"config.json: 'partial_rotary_factor' {factor} gives {dim} rotary dimensions of a "

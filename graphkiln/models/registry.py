@@ -17,7 +17,7 @@ from graphkiln.models.sources import Source
 
 _BUILTIN_FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "lfm2", "lfm2_moe", "lfm3",
                           "gemma3", "llava", "gemma3_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-                          "nemotron_h", "granitemoehybrid", "gpt_oss")
+                          "nemotron_h", "granitemoehybrid", "gpt_oss", "phi3")
 
 
 @dataclass(frozen=True)
