@@ -33,8 +33,12 @@ STAMP_SPECS = {
         SPECS["lfm3"].config, num_hidden_layers=7,
         layer_types=["conv", "sliding_attention", "full_attention", "sliding_attention", "conv",
                      "full_attention", "conv"])),
+    # one-sublayer blocks: Mamba-2 (its A a parameter of its own, not a folded constant), MoE, no-rope
+    # attention (named identity rotary tables), MLP; the second Mamba and MoE blocks stamped
+    "nemotron_h": SPECS["nemotron_h"],
 }
-EXPECTED_TEMPLATES = {"llama_x4": (0,), "qwen3_moe_x5": (0, 1), "lfm2_moe_x6": (0, 1, 2, 3), "lfm3_x7": (0, 1, 2)}
+EXPECTED_TEMPLATES = {"llama_x4": (0,), "qwen3_moe_x5": (0, 1), "lfm2_moe_x6": (0, 1, 2, 3), "lfm3_x7": (0, 1, 2),
+                      "nemotron_h": (0, 1, 2, 3)}
 
 
 @pytest.fixture(scope="module")

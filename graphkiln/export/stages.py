@@ -216,9 +216,15 @@ def _module_class():
                 cos, sin = decoder.rope_tables(name)
                 self.register_buffer(f"rope_cos_{name}", cos, persistent=False)
                 self.register_buffer(f"rope_sin_{name}", sin, persistent=False)
+                if decoder.cfg.partial_rotary:
+                    for part, table in zip(("cos", "sin"), decoder.identity_tables(name)):
+                        self.register_buffer(f"rope_identity_{part}_{name}", table, persistent=False)
 
         def rope_tables(self, flavor: str):
             return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
+
+        def identity_tables(self, flavor: str):
+            return getattr(self, f"rope_identity_cos_{flavor}"), getattr(self, f"rope_identity_sin_{flavor}")
 
         def forward(self, first_input, position_ids, *rest):
             cfg = self.cfg

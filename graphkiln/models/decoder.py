@@ -458,11 +458,21 @@ class DecoderForExport(nn.Module):
             freqs = torch.arange(positions, dtype=torch.float32).unsqueeze(-1) * inv
             self.register_buffer(f"rope_cos_{name}", freqs.cos() * self.scalings[name], persistent=False)
             self.register_buffer(f"rope_sin_{name}", freqs.sin() * self.scalings[name], persistent=False)
+            if self.cfg.partial_rotary:  # named buffers, not anonymous constants: layer stamping copies them
+                half = self.cfg.head_dim // 2
+                self.register_buffer(f"rope_identity_cos_{name}", torch.ones(positions, half), persistent=False)
+                self.register_buffer(f"rope_identity_sin_{name}", torch.zeros(positions, half), persistent=False)
 
     def rope_tables(self, flavor: str) -> tuple[torch.Tensor, torch.Tensor]:
         if not hasattr(self, f"rope_cos_{flavor}"):
             self.set_rope_positions(self.rope_positions)
         return getattr(self, f"rope_cos_{flavor}"), getattr(self, f"rope_sin_{flavor}")
+
+    def identity_tables(self, flavor: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos 1 / sin 0 tables of the whole head, sized as the flavor's rope tables (partial rotary only)."""
+        if not hasattr(self, f"rope_identity_cos_{flavor}"):
+            self.set_rope_positions(self.rope_positions)
+        return getattr(self, f"rope_identity_cos_{flavor}"), getattr(self, f"rope_identity_sin_{flavor}")
 
     def _rope(self, flavor: str, rope_position_ids):
         """(cos, sin, rope_layout, identity) for the attention layers: the tables (layout 0), or
@@ -471,10 +481,7 @@ class DecoderForExport(nn.Module):
         layers rotate their heads' first dims themselves), cos 1 / sin 0 tables of the whole head
         for graphkiln.Attention, one pair per flavor shared by every layer; else None."""
         cos, sin = self.rope_tables(flavor)
-        identity = None
-        if self.cfg.partial_rotary:
-            half = self.cfg.head_dim // 2
-            identity = (torch.ones(cos.shape[0], half, dtype=cos.dtype), torch.zeros(sin.shape[0], half, dtype=sin.dtype))
+        identity = self.identity_tables(flavor) if self.cfg.partial_rotary else None
         if rope_position_ids is None:
             return cos, sin, 0, identity
         sections = list(self.cfg.mrope_section)

@@ -49,6 +49,15 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupRMSNormGated(m.inner_size, m.n_groups, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(m.inner_size, cfg.hidden_size, bias=m.proj_bias)
 
+    def fold_loaded(self) -> None:
+        """Once the checkpoint's A_log is loaded: A = -exp(A_log) in fp32, as the reference computes
+        it, becomes the parameter ``A`` in its place. Traced from A_log, A would be a constant the
+        exporter folds, which layer stamping cannot copy per layer; a parameter is an initializer
+        of the layer's own."""
+        A = -torch.exp(self.A_log.detach().float())
+        del self.A_log
+        self.A = nn.Parameter(A, requires_grad=False)
+
     def forward(self, x, conv_pool, scan_pool, slot_idx, seq_lens):
         from graphkiln.ops import torch_op
         from graphkiln.ops.ssm_scan import FLOAT32_MAX
@@ -59,9 +68,10 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros_like(weight[:, 0])
         xbc, new_conv = torch_op("ShortConv")(xbc, weight, bias, conv_pool, slot_idx, seq_lens, m.conv_dim)
+        A = self.A if hasattr(self, "A") else -torch.exp(self.A_log.float())  # before/after fold_loaded
         xs, B, C = F.silu(xbc).split([m.inner_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
         y, new_scan = torch_op("SsmScan")(
-            xs.reshape(b, s, m.num_heads, m.head_dim), dt, -torch.exp(self.A_log.float()),
+            xs.reshape(b, s, m.num_heads, m.head_dim), dt, A,
             B.reshape(b, s, m.n_groups, m.state_size), C.reshape(b, s, m.n_groups, m.state_size),
             self.D, self.dt_bias, scan_pool, slot_idx, seq_lens, 0, m.dt_min, min(m.dt_max, FLOAT32_MAX))
         return self.out_proj(self.norm(y.reshape(b, s, m.inner_size), gate)), new_conv, new_scan

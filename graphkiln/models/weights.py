@@ -374,6 +374,10 @@ def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # parameters a module derives once from the loaded ones (mamba2's A)
+        fold = getattr(module, "fold_loaded", None)
+        if fold is not None:
+            fold()
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
