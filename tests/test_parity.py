@@ -133,7 +133,7 @@ def test_sliding_window_changes_the_reference(tiny, name):
 
 def _hf_windows(config) -> tuple:
     window = getattr(config, "sliding_window", None)
-    if config.model_type in ("llama", "mistral", "mixtral", "qwen3_moe"):  # one window for every layer
+    if config.model_type in ("llama", "mistral", "mixtral", "qwen3_moe", "phi3"):  # one window for every layer
         return (window,) * config.num_hidden_layers
     return tuple(window if t == "sliding_attention" else None for t in config.layer_types)
 
