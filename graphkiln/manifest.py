@@ -75,10 +75,14 @@ RECURRENT_ROLES = ("recurrent_state", "new_recurrent_state")
 # per-slot states (conv, recurrent): the input role -> the output role that updates it
 SLOT_STATE_ROLES = {"conv_state": "new_conv_state", "recurrent_state": "new_recurrent_state"}
 SLOT_STATE_INPUTS = {out: inp for inp, out in SLOT_STATE_ROLES.items()}  # the other way round
+# LoRA (``LoraSpec``): per targeted projection of a layer, the adapter slots' stacks (``module`` names
+# the projection), and per row the slot it uses
+LORA_STACK_ROLES = ("lora_a", "lora_b")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
-               "image_groups", "image_slots")
+               "image_groups", "image_slots", "lora_index", "lora_a", "lora_b")
 OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
                 "new_recurrent_state", "present_key", "present_value", "image_embeddings")
 # ``last_hidden_state`` (export --return-hidden-states): the last layer's hidden states AFTER the final
@@ -90,7 +94,7 @@ OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "n
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                  "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length",
-                 "rope_position_ids", "lookahead"),
+                 "rope_position_ids", "lookahead", "lora_index", "lora_a", "lora_b"),
                 ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
                  "new_recurrent_state", "present_key", "present_value")),
     # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.backends.vision_groups)
@@ -196,10 +200,21 @@ class TensorSpec:
     shape: tuple[Dim, ...]
     role: Role  # "input_ids", "position_ids", "logits_index", "logits", "past_key", ...
     layer: Count | None = None
+    module: Literal[LORA_MODULES] | None = None  # type: ignore[valid-type]  # a LoRA stack's projection
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the tensor within one side of a graph: (role, layer, module)."""
+        return (self.role, self.layer, self.module)
 
     @model_validator(mode="after")
     def _layer_iff_per_layer_role(self) -> "TensorSpec":
-        per_layer = self.role in KV_ROLES + CONV_ROLES + RECURRENT_ROLES
+        per_layer = self.role in KV_ROLES + CONV_ROLES + RECURRENT_ROLES + LORA_STACK_ROLES
+        if (self.module is None) == (self.role in LORA_STACK_ROLES):
+            raise _FieldError(("module",), f"is missing: a {self.role} tensor names its projection" if self.module is None
+                              else f"must be null for a {self.role} tensor (got {self.module})")
+        if self.role in LORA_STACK_ROLES and (len(self.shape) != 3 or not all(type(d) is int for d in self.shape)):
+            raise _FieldError(("shape",), f"of a {self.role} tensor must be 3 fixed sizes (got {list(self.shape)})")
         if per_layer and self.layer is None:
             raise _FieldError(("layer",), f"is missing: a {self.role} tensor belongs to a layer")
         if not per_layer and self.layer is not None:
@@ -211,6 +226,11 @@ class TensorSpec:
         if self.role in RECURRENT_ROLES and len(self.shape) != 4:
             raise _FieldError(("shape",), f"of a {self.role} tensor must have 4 dimensions (got {len(self.shape)})")
         return self
+
+
+def is_state(t: TensorSpec) -> bool:
+    """A per-layer state tensor (KV, conv, recurrent), as opposed to a LoRA stack (also per layer)."""
+    return t.layer is not None and t.role not in LORA_STACK_ROLES
 
 
 def is_pool_output(t: TensorSpec) -> bool:
@@ -254,10 +274,11 @@ class GraphSpec:
                                       f"{self.name} graph {side[:-1]} role")
                 if t.name in names:
                     raise _FieldError((side, i, "name"), f"{t.name!r} appears twice")
-                if (t.role, t.layer) in keys:
-                    raise _FieldError((side, i), f"repeats role {t.role} for layer {t.layer}")
+                if t.key in keys:
+                    raise _FieldError((side, i), f"repeats role {t.role} for layer {t.layer}"
+                                      + (f" {t.module}" if t.module else ""))
                 names.add(t.name)
-                keys.add((t.role, t.layer))
+                keys.add(t.key)
         if self.name == "vision":
             if sum(t.role == "image_embeddings" for t in self.outputs) != 1 or not any(
                     t.role == "pixel_values" for t in self.inputs):
@@ -533,6 +554,21 @@ class VisionSpec:
 
 @with_config(_STRICT)
 @dataclass(frozen=True)
+class LoraSpec:
+    """An adapter-capable artifact (``export --lora-rank``): its decoder (or stage) graphs take, per
+    targeted projection ``modules`` of every layer that has it, an A stack ``lora_a``
+    ``[max_loras + 1, in, rank]`` and a B stack ``lora_b`` ``[max_loras + 1, rank, out]``, and
+    ``lora_index`` ``[batch]`` (int64) choosing each row's slot; slot 0 is the base model (all
+    zeros). Row b's projection is ``base(x) + (x @ A[idx[b]]) @ B[idx[b]]``, B pre-scaled
+    (``runtime.lora``). The stacks are float32 whatever the model dtype."""
+
+    rank: PosInt
+    max_loras: PosInt
+    modules: Annotated[tuple[Literal[LORA_MODULES], ...], Field(min_length=1)]  # type: ignore[valid-type]
+
+
+@with_config(_STRICT)
+@dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage (export.stages): graph ``graph`` (one per target, by name) runs layers
     ``layers`` = [start, end); ``files`` are the graph and data files only it reads (what a
@@ -562,6 +598,7 @@ class Manifest:
     vision: VisionSpec | None = None
     stages: tuple[StageSpec, ...] = ()  # a pipeline-staged artifact: no "decoder" graph, one per stage
     batched: tuple[BatchedGraphSpec, ...] = ()  # int8 stand-ins for steps of many rows (graphkiln.batched_int8)
+    lora: LoraSpec | None = None  # adapter stacks as graph inputs (export --lora-rank)
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str, target: str | None = None) -> GraphSpec:
@@ -642,6 +679,9 @@ class Manifest:
             for side in ("inputs", "outputs"):
                 for j, t in enumerate(getattr(g, side)):
                     where = ("graphs", i, side, j)
+                    if t.role in LORA_STACK_ROLES:
+                        self._check_lora_stack(where, t)
+                        continue
                     if t.layer is None:
                         if t.role == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != vocab:
                             raise _FieldError(where + ("shape",), f"ends in {t.shape[-1]}, not the vocabulary size {vocab}")
@@ -741,12 +781,27 @@ class Manifest:
                                           f"ends in {t.shape[-1]}, not the model's hidden size {hidden}")
         elif has_vision_graph or seams:
             raise _FieldError(("vision",), "is missing: the artifact has a vision graph or seam but no vision spec")
+        self._check_lora_graphs()
         gen = self.generation
         for loc, token in [(("eos_token_ids", i), t) for i, t in enumerate(gen.eos_token_ids)] + [
                 (("bos_token_id",), gen.bos_token_id), (("pad_token_id",), gen.pad_token_id)]:
             if token is not None and token >= vocab:
                 raise _FieldError(("generation",) + loc, f"is {token}, outside the vocabulary [0, {vocab})")
         return self
+
+    def _check_lora_stack(self, where: tuple, t: TensorSpec) -> None:
+        """A LoRA stack input matches the manifest's ``lora`` record: [slots, in, rank] / [slots, rank, out]."""
+        if self.lora is None:
+            raise _FieldError(where, f"{t.name!r} is a LoRA input, but the manifest has no lora record")
+        if t.module not in self.lora.modules:
+            raise _FieldError(where + ("module",), f"is {t.module}, not one of lora.modules {list(self.lora.modules)}")
+        if t.layer >= self.model.num_layers:
+            raise _FieldError(where + ("layer",), f"is {t.layer}, not a layer of this {self.model.num_layers}-layer model")
+        slots, rows, cols = t.shape
+        rank_at = 2 if t.role == "lora_a" else 1
+        if slots != self.lora.max_loras + 1 or t.shape[rank_at] != self.lora.rank or t.dtype != "float32":
+            raise _FieldError(where + ("shape",), f"is {t.dtype} {list(t.shape)}; a {t.role} stack is float32 with {self.lora.max_loras + 1} slots and rank "
+                              f"{self.lora.rank} (lora.max_loras + 1, lora.rank)")
 
     def _check_stages(self, names: list[str]) -> None:
         """A staged artifact (``stages``): stage k is graph ``stage{k}``, the stages cover the
@@ -814,6 +869,26 @@ class Manifest:
                                           f"{t.layer} outside the stage's layers {start}:{end}")
         if expected != self.model.num_layers:
             raise _FieldError(("stages",), f"cover layers 0:{expected}, not the model's {self.model.num_layers} layers")
+
+    def _check_lora_graphs(self) -> None:
+        """Each decoder or stage graph of an adapter-capable artifact takes lora_index and, per
+        stack it has, its partner; an artifact without a lora record has none of them."""
+        for i, g in enumerate(self.graphs):
+            stacks = {(t.layer, t.module, t.role) for t in g.inputs if t.role in LORA_STACK_ROLES}
+            has_index = any(t.role == "lora_index" for t in g.inputs)
+            if self.lora is None:
+                if has_index:
+                    raise _FieldError(("graphs", i, "inputs"), "takes lora_index, but the manifest has no lora record")
+                continue
+            if g.name == "vision":
+                continue
+            if stacks and not has_index:
+                raise _FieldError(("graphs", i, "inputs"), "takes LoRA stacks but no lora_index")
+            for layer, module, role in sorted(stacks):
+                other = "lora_b" if role == "lora_a" else "lora_a"
+                if (layer, module, other) not in stacks:
+                    raise _FieldError(("graphs", i, "inputs"), f"has the {role} stack of layer {layer} {module} "
+                                      f"but not its {other}")
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> "Manifest":

@@ -54,6 +54,8 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
     if cfg.has_slot_states:
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
+    if cfg.lora is not None:
+        ins.append(TensorSpec("lora_index", "int64", ("batch",), "lora_index"))
     outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
     if hidden_states:
         outs.append(last_hidden_state_spec(cfg.hidden_size, dtype))
@@ -68,7 +70,21 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
                 role = f"{state.kind}_state"
                 ins.append(TensorSpec(f"{role}.{i}", dtype, ("slots", *state.shape), role, i))
                 outs.append(TensorSpec(f"new_{role}.{i}", dtype, ("batch", *state.shape), f"new_{role}", i))
+    ins += lora_stack_specs(cfg, range(cfg.num_layers))
     return ins, outs
+
+
+def lora_stack_specs(cfg: DecoderConfig, layers) -> list[TensorSpec]:
+    """The LoRA stack inputs of ``layers`` (manifest.LoraSpec), in the order the forward takes them:
+    per layer, per targeted projection, A [slots, in, rank] then B [slots, rank, out], float32."""
+    if cfg.lora is None:
+        return []
+    slots, rank, specs = cfg.lora.max_loras + 1, cfg.lora.rank, []
+    for i in layers:
+        for module, n_in, n_out in cfg.lora_targets(i):
+            specs += [TensorSpec(f"lora_a.{module}.{i}", "float32", (slots, n_in, rank), "lora_a", i, module),
+                      TensorSpec(f"lora_b.{module}.{i}", "float32", (slots, rank, n_out), "lora_b", i, module)]
+    return specs
 
 
 @dataclass(frozen=True)
@@ -172,6 +188,9 @@ def _trace(model: DecoderForExport, opset: int):
     if cfg.has_slot_states:
         states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
         state_dims += [{0: batch}, {0: batch}]
+    if cfg.lora is not None:
+        states.append(torch.arange(b, dtype=torch.long))
+        state_dims.append({0: batch})
     for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
             states += [torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2)]
@@ -180,6 +199,9 @@ def _trace(model: DecoderForExport, opset: int):
             for state in cfg.slot_states(i):
                 states.append(torch.zeros(slots, *state.shape, dtype=dtype))
                 state_dims.append({0: slot_dim})
+    for t in lora_stack_specs(cfg, range(cfg.num_layers)):
+        states.append(torch.zeros(t.shape, dtype=torch.float32))
+        state_dims.append({})
     args += states
     dynamic.append(tuple(state_dims))
 

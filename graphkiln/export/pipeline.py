@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from graphkiln.artifact import checksum_tree
 from graphkiln.errors import GraphkilnError
 from graphkiln.export.assets import copy_tokenizer, generation_defaults
 from graphkiln.export.checkpoint import prepared_checkpoint, refuse_checkpoint_code, refuse_quantized
-from graphkiln.manifest import MANIFEST_NAME, TARGETS, CustomOpRef, Manifest, ModelInfo, StateSpec
+from graphkiln.manifest import MANIFEST_NAME, TARGETS, CustomOpRef, LoraSpec, Manifest, ModelInfo, StateSpec
 from graphkiln.memory import available_memory
 from graphkiln.models.registry import family_for
 from graphkiln.publish import atomic_directory
@@ -46,6 +47,11 @@ class ExportOptions:
     # decoder graphs (the last stage's, when staged) also return ``last_hidden_state``: the
     # final-norm hidden states at the logits positions (models.decoder); not with tensorrt
     return_hidden_states: bool = False
+    # LoRA (manifest.LoraSpec): adapter stacks of rank lora_rank for max_loras slots as graph inputs
+    # on the projections lora_targets names (None: every one the model has); None: no LoRA inputs
+    lora_rank: int | None = None
+    lora_targets: str | None = None
+    max_loras: int = 4
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -157,6 +163,50 @@ def _recorded_method(opts: ExportOptions, quant_inputs) -> str:
     return opts.quant_method + ("+checkpoint" if quant_inputs is not None and quant_inputs.provided else "")
 
 
+LORA_TARGET_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+                     "down": "down_proj"}
+MAX_LORA_RANK, MAX_LORAS = 1024, 256
+
+
+def parse_lora_targets(text: str | None) -> tuple[str, ...] | None:
+    """``--lora-targets q,k,v,o,gate,up,down`` (short or q_proj-style names) as module names in
+    canonical order; None for the default (every projection the model has)."""
+    if text is None:
+        return None
+    modules = set()
+    for item in str(text).split(","):
+        item = item.strip()
+        module = LORA_TARGET_NAMES.get(item, item if item in LORA_TARGET_NAMES.values() else None)
+        if module is None:
+            raise GraphkilnError(f"--lora-targets {text}: {item!r} is not a projection graphkiln adapts; choose from "
+                                 f"{','.join(LORA_TARGET_NAMES)}")
+        modules.add(module)
+    return tuple(m for m in LORA_TARGET_NAMES.values() if m in modules)
+
+
+def lora_shape(opts: ExportOptions, cfg):
+    """The decoder config's ``LoraShape`` for the LoRA flags (None without --lora-rank), refused in one
+    line when the flags are out of range or name projections the model does not have."""
+    from graphkiln.models.config import LoraShape
+
+    if opts.lora_rank is None:
+        if opts.lora_targets is not None:
+            raise GraphkilnError("--lora-targets needs --lora-rank R (the largest adapter rank to accept)")
+        return None
+    for flag, value, top in (("--lora-rank", opts.lora_rank, MAX_LORA_RANK), ("--max-loras", opts.max_loras, MAX_LORAS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise GraphkilnError(f"{flag} {value} is out of range: choose 1 to {top}")
+    wanted = parse_lora_targets(opts.lora_targets)
+    probe = dataclasses.replace(cfg, lora=LoraShape(opts.lora_rank, opts.max_loras, wanted or tuple(LORA_TARGET_NAMES.values())))
+    present = {m for i in range(cfg.num_layers) for m, _, _ in probe.lora_targets(i)}
+    missing = [m for m in (wanted or ()) if m not in present]
+    if missing or not present:
+        raise GraphkilnError(f"--lora-targets: this {cfg.architecture} has no LoRA-adaptable {', '.join(missing) or 'projection'} "
+                             f"(graphkiln adapts attention q/k/v/o and dense-MLP gate/up/down"
+                             f"{'; it has ' + ','.join(sorted(present, key=list(LORA_TARGET_NAMES.values()).index)) if present else ''})")
+    return dataclasses.replace(probe.lora, modules=tuple(m for m in LORA_TARGET_NAMES.values() if m in present))
+
+
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
     from graphkiln.export.onnx_export import SUPPORTED_OPSETS
     from graphkiln.models.weights import DTYPES
@@ -223,6 +273,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         cfg = family.parse_config(raw)
     except (ValueError, TypeError) as exc:
         raise GraphkilnError(f"config.json is inconsistent ({exc}): fix or re-save it") from None
+    cfg = dataclasses.replace(cfg, lora=lora_shape(opts, cfg))
     max_seq_len = cfg.max_position_embeddings if opts.max_seq_len is None else opts.max_seq_len
     check_max_seq_len(max_seq_len, cfg, "--max-seq-len" if opts.max_seq_len is not None else
                       "max_position_embeddings in config.json")
@@ -307,6 +358,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             vision=exported.vision,
             stages=exported.stage_specs(tuple(states)),
             batched=exported.batched,
+            lora=LoraSpec(cfg.lora.rank, cfg.lora.max_loras, cfg.lora.modules) if cfg.lora else None,
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")

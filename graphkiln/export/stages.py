@@ -188,7 +188,7 @@ def make_plan(decoder, stages: int | None, ranges: tuple) -> StagePlan:
 def _module_class():
     from torch import nn
 
-    from graphkiln.models.decoder import DecoderForExport, embed, head, scatter_vision_rows
+    from graphkiln.models.decoder import DecoderForExport, embed, head, layer_stacks, scatter_vision_rows
 
     class StageForExport(nn.Module):
         """Layers [start, end) of a ``DecoderForExport``, sharing its parameters (no copies in
@@ -211,6 +211,7 @@ def _module_class():
             self.specs = [decoder.cfg.layers[i] for i in range(start, end)]
             self.has_attention = any(s.mixer == "attention" for s in self.specs)
             self.has_conv = any(decoder.cfg.slot_states(i) for i in range(start, end))
+            self.has_lora = any(decoder.cfg.lora_targets(i) for i in range(start, end))
             self.rope_flavors = sorted({s.rope for s in self.specs if s.mixer == "attention"})
             for name in self.rope_flavors:
                 cos, sin = decoder.rope_tables(name)
@@ -245,12 +246,18 @@ def _module_class():
             seq_lens = slot_idx = None
             if self.has_conv:
                 seq_lens, slot_idx, rest = rest[0], rest[1], rest[2:]
+            lora_index = None
+            if self.has_lora:
+                lora_index, rest = rest[0], rest[1:]
+            n_states = sum(cfg.state_arity(i) for i in range(self.start, self.end))
+            stacks = layer_stacks(cfg, range(self.start, self.end), rest[n_states:])
             # the decoder's own rope helper (M-RoPE included), over this module's tables
             rope = {name: DecoderForExport._rope(self, name, rope_position_ids) for name in self.rope_flavors}
             new_states, off = [], 0
             for i, layer in zip(range(self.start, self.end), self.model.layers.values()):
                 arity = cfg.state_arity(i)
-                x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead)
+                lora = (lora_index, stacks[i]) if stacks[i] else None
+                x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead, lora)
                 off += arity
                 new_states += new
             if not self.last:
@@ -285,6 +292,8 @@ def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str,
         wanted |= {"rope_position_ids", "lookahead"}
     if has_conv:
         wanted |= {"seq_lens", "slot_idx"}
+    if any(cfg.lora_targets(i) for i in range(start, end)):  # a stage without targets has no use for it
+        wanted.add("lora_index")
     ins += [t for t in full_ins[3:] if t.layer is None and t.role in wanted]
     ins += [t for t in full_ins if t.layer is not None and start <= t.layer < end]
     # an ONNX graph defines each name once: a middle stage takes and returns hidden states
@@ -320,8 +329,12 @@ def _trace_stage(module, cfg, ins: list[TensorSpec], outs: list[TensorSpec], ops
             value = torch.arange(b, dtype=torch.long)
         elif t.role == "vision_scatter_indices":
             value = torch.tensor([0, b * s + 1, 2], dtype=torch.long)  # the out-of-range skip is traced too
+        elif t.role == "lora_index":
+            value = torch.arange(b, dtype=torch.long)
         elif t.dtype == "int64":
             value = torch.zeros(shape, dtype=torch.long)
+        elif t.role in ("lora_a", "lora_b"):  # float32 whatever the model dtype
+            value = torch.zeros(shape, dtype=torch.float32)
         else:
             value = torch.zeros(shape, dtype=dtype)
         args.append(value)

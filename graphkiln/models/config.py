@@ -135,6 +135,17 @@ class SlotState:
 
 
 @dataclass(frozen=True)
+class LoraShape:
+    """``export --lora-rank``: the adapter stacks the graph takes (``manifest.LoraSpec``): ``modules``
+    (checkpoint projection names: q_proj .. down_proj) of every layer that has them, ``max_loras``
+    adapter slots plus slot 0 (no adapter), each of rank ``rank``."""
+
+    rank: int
+    max_loras: int
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     """A pre-norm decoder whose layers mix attention/short-conv mixers and MLP/MoE FFNs.
 
@@ -198,6 +209,8 @@ class DecoderConfig:
     # Gemma3's images: the graph takes lookahead [batch, seq] (graphkiln.Attention), so an image's
     # tokens see the whole image. False: every token is causal (a constant zero lookahead).
     image_lookahead: bool = False
+    # export --lora-rank: per-row LoRA adapters on the projections named there (``lora_targets``)
+    lora: LoraShape | None = None
     # The raw HF config dict, for rope init functions that want more fields.
     raw: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
@@ -241,6 +254,26 @@ class DecoderConfig:
         """How many state inputs (and outputs) ``layer`` has in the graph: past key and value for
         attention, its slot states otherwise."""
         return 2 if self.layers[layer].mixer == "attention" else len(self.slot_states(layer))
+
+    def lora_targets(self, layer: int) -> tuple[tuple[str, int, int], ...]:
+        """(module, in features, out features) of each projection of ``layer`` that takes LoRA
+        stacks, in the graph's order: an attention mixer's q/k/v/o and a dense MLP's gate/up/down,
+        as far as ``lora.modules`` names them. MoE FFNs and the recurrent/conv mixers take none."""
+        if self.lora is None:
+            return ()
+        spec, h = self.layers[layer], self.hidden_size
+        sizes = {}
+        if spec.mixer == "attention":
+            q = self.num_heads * self.head_dim * (2 if self.attention_output_gate else 1)
+            kv = self.num_kv_heads * self.head_dim
+            sizes.update(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(self.num_heads * self.head_dim, h))
+        if spec.ffn == "mlp":
+            inter = self.intermediate_size
+            sizes.update(up_proj=(h, inter), down_proj=(inter, h))
+            if self.mlp_gated:
+                sizes["gate_proj"] = (h, inter)
+        order = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        return tuple((m, *sizes[m]) for m in order if m in sizes and m in self.lora.modules)
 
     @property
     def has_slot_states(self) -> bool:

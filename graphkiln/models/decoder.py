@@ -25,12 +25,16 @@ Graph contract (one graph serves prefill and decode):
                 image_lookahead: Gemma3's bidirectional images; graphkiln.Attention)
   seq_lens      int64 [batch]           real tokens per row      (only with slot-state layers)
   slot_idx      int64 [batch]           row b's slot             (only with slot-state layers)
+  lora_index    int64 [batch]           row b's adapter slot, 0: none (only with ``cfg.lora``)
   then per layer, in layer order:
     attention:  past_key.i / past_value.i  [batch, kv_heads, cache_len, head_dim]
                 (only positions < start_b are read)
     conv:       conv_state.i  [slots, channels, kernel-1]  (the whole pool, read at slot_idx)
     gated_delta: conv_state.i [slots, conv_dim, kernel-1], recurrent_state.i [slots, v_heads,
                 k_dim, v_dim] (whole pools, read at slot_idx; ``DecoderConfig.slot_states``)
+  then, with ``cfg.lora``, per layer, per projection of ``cfg.lora_targets(layer)``:
+    lora_a.{module}.i float32 [slots, in, rank], lora_b.{module}.i float32 [slots, rank, out]
+                (every adapter slot's A and B; the projection adds (x @ A[idx]) @ B[idx], see ``lora_delta``)
   -> logits     float32 [batch, n_logits, vocab]
   -> last_hidden_state [batch, n_logits, hidden] (model dtype; only with return_hidden_states):
                 the final-norm hidden states at the logits_index positions
@@ -54,6 +58,31 @@ from graphkiln.models.config import DecoderConfig, LayerSpec
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
                 "relu2": lambda x: F.relu(x) * F.relu(x)}  # a Mul, not Pow: Pow is what unfused norms leave
+
+
+def lora_delta(x: torch.Tensor, lora, module: str, out_features: int) -> torch.Tensor | None:
+    """Each row's adapter update of projection ``module`` for input ``x`` [b, s, in]: (x @ A[idx_b]) @ B[idx_b],
+    [b, s, out]; None when ``lora`` (lora_index, {module: (A stack, B stack)}) does not target it.
+
+    The stacks are float32 and gathered per row before the cast to x's dtype (a step reads only the
+    rows' slots). Slot 0 is zeros, so a row without an adapter adds exactly zero."""
+    if lora is None or module not in lora[1]:
+        return None
+    index, (a, b) = lora[0], lora[1][module]
+    return torch.matmul(torch.matmul(x, a[index].to(x.dtype)), b[index].to(x.dtype))
+
+
+def with_lora(y: torch.Tensor, x: torch.Tensor, lora, parts: list[tuple[str, int]]) -> torch.Tensor:
+    """``y`` (a fused projection of ``x`` whose output concatenates ``parts`` [(module, size)]) plus
+    the adapter update of each targeted part, zeros for the others: one Add before the split, so
+    the graph's fusions (packed q/k/v for GroupQueryAttention) still see the projection's Split."""
+    deltas = [lora_delta(x, lora, m, size) for m, size in parts]
+    if all(d is None for d in deltas):
+        return y
+    if len(parts) == 1:
+        return y + deltas[0]
+    b, s = x.shape[:2]
+    return y + torch.cat([d if d is not None else x.new_zeros(b, s, size) for d, (_, size) in zip(deltas, parts)], -1)
 
 
 class RMSNorm(nn.Module):
@@ -122,13 +151,15 @@ class Attention(nn.Module):
         # gpt-oss's learned per-head sink logit (graphkiln.Attention's sinks, use_sinks=1)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
-    def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None):
+    def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None, lora=None):
         """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them, and with
-        partial rotary the identity tables the op gets instead (``DecoderForExport._rope``)."""
+        partial rotary the identity tables the op gets instead (``DecoderForExport._rope``);
+        ``lora``: (lora_index, this layer's stacks by module) or None (``lora_delta``)."""
         from graphkiln.ops import torch_op
 
         b, s, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        qkv = with_lora(self.qkv_proj(x), x, lora, list(zip(("q_proj", "k_proj", "v_proj"), self.qkv_sizes)))
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         gate = None
         if self.output_gate:
             q, gate = q.view(b, s, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -157,7 +188,7 @@ class Attention(nn.Module):
             out = (out.view(b, s, self.num_heads, self.head_dim) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(b, s, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out), new_k, new_v
+        return with_lora(self.o_proj(out), out, lora, [("o_proj", self.o_proj.out_features)]), new_k, new_v
 
 
 class ShortConv(nn.Module):
@@ -236,11 +267,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x):
+    def forward(self, x, lora=None):
+        """``lora``: (lora_index, this layer's stacks by module) or None; x is [b, s, hidden] then."""
         if not self.gated:
-            return self.down_proj(self.act(self.up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            h = self.act(with_lora(self.up_proj(x), x, lora, [("up_proj", self.up_proj.out_features)]))
+        else:
+            inter = self.down_proj.in_features
+            gate, up = with_lora(self.gate_up_proj(x), x, lora, [("gate_proj", inter), ("up_proj", inter)]).chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return with_lora(self.down_proj(h), h, lora, [("down_proj", self.down_proj.out_features)])
 
 
 class Experts(nn.Module):
@@ -347,11 +382,11 @@ class DecoderLayer(nn.Module):
         else:
             self.post_mixer_norm = self.post_ffn_norm = None
 
-    def _mix(self, h, rope, position_ids, state, slot_idx, seq_lens, lookahead):
+    def _mix(self, h, rope, position_ids, state, slot_idx, seq_lens, lookahead, lora):
         """The mixer's output and its new state rows (a tuple, in ``DecoderConfig.slot_states`` order)."""
         mixer = self.spec.mixer
         if mixer == "attention":
-            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead)
+            h, k, v = self.self_attn(h, rope[self.spec.rope], position_ids, *state, lookahead=lookahead, lora=lora)
             return h, (k, v)
         if mixer == "gated_delta":
             h, conv_state, recurrent_state = self.linear_attn(h, state[0], state[1], slot_idx, seq_lens)
@@ -367,16 +402,18 @@ class DecoderLayer(nn.Module):
             h = h * self.residual_multiplier
         return x + h
 
-    def forward(self, x, rope, position_ids, state, slot_idx, seq_lens, lookahead=None):
-        """Returns the new hidden states and this layer's new state rows (a tuple)."""
+    def forward(self, x, rope, position_ids, state, slot_idx, seq_lens, lookahead=None, lora=None):
+        """Returns the new hidden states and this layer's new state rows (a tuple). ``lora``:
+        (lora_index, {module: (A stack, B stack)}) for this layer's targeted projections, or None."""
         new = ()
         if self.spec.mixer != "none":
-            h, new = self._mix(self.input_layernorm(x), rope, position_ids, state, slot_idx, seq_lens, lookahead)
+            h, new = self._mix(self.input_layernorm(x), rope, position_ids, state, slot_idx, seq_lens, lookahead, lora)
             if self.post_mixer_norm is not None:
                 h = self.post_mixer_norm(h)
             x = self._residual(x, h)
         if self.spec.ffn != "none":
-            h = self.mlp(self.post_attention_layernorm(x))
+            h = self.post_attention_layernorm(x)
+            h = self.mlp(h) if self.spec.ffn == "moe" else self.mlp(h, lora)
             if self.post_ffn_norm is not None:
                 h = self.post_ffn_norm(h)
             x = self._residual(x, h)
@@ -418,6 +455,15 @@ def head(cfg: DecoderConfig, norm: nn.Module, lm_head: nn.Linear, x: torch.Tenso
         cap = cfg.final_logit_softcap
         logits = torch.tanh(logits / cap) * cap
     return logits.to(torch.float32), hidden
+
+
+def layer_stacks(cfg: DecoderConfig, layers, stacks) -> dict[int, dict]:
+    """The flat LoRA stack inputs of ``layers`` (A then B per projection, ``cfg.lora_targets`` order)
+    as {layer: {module: (A, B)}}."""
+    out, it = {}, iter(stacks)
+    for i in layers:
+        out[i] = {module: (next(it), next(it)) for module, _, _ in cfg.lora_targets(i)}
+    return out
 
 
 class DecoderBody(nn.Module):
@@ -506,16 +552,21 @@ class DecoderForExport(nn.Module):
             rope_position_ids, rest = rest[0], rest[1:]
         if self.cfg.image_lookahead:
             lookahead, rest = rest[0], rest[1:]
+        seq_lens = slot_idx = None
         if self.has_conv:
-            seq_lens, slot_idx, states = rest[0], rest[1], rest[2:]
-        else:
-            seq_lens = slot_idx = None
-            states = rest
+            seq_lens, slot_idx, rest = rest[0], rest[1], rest[2:]
+        lora_index = None
+        if self.cfg.lora is not None:
+            lora_index, rest = rest[0], rest[1:]
+        n_states = self._offset(self.cfg.num_layers)
+        states, stacks = rest[:n_states], layer_stacks(self.cfg, range(self.cfg.num_layers), rest[n_states:])
         rope = {name: self._rope(name, rope_position_ids) for name in self.rope_flavors}
         new_states = []
         for i, layer in enumerate(self.model.layers):
             off = self._offset(i)
-            x, new = layer(x, rope, position_ids, states[off: off + self.cfg.state_arity(i)], slot_idx, seq_lens, lookahead)
+            lora = (lora_index, stacks[i]) if stacks.get(i) else None
+            x, new = layer(x, rope, position_ids, states[off: off + self.cfg.state_arity(i)], slot_idx, seq_lens, lookahead,
+                           lora)
             new_states += new
 
         logits, hidden = head(self.cfg, self.model.norm, self.lm_head, x, logits_index)

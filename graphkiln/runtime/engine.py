@@ -96,6 +96,8 @@ class Engine:
                        if prefix_cache else None)
         self.prep = Preparer(manifest, self.tokenizer, self.vision, self.decoder, self.max_seq_len, seam_dtype, backend,
                              device)
+        # LoRA slots (runtime.lora) the decoder graph reads its adapter stacks from; None: no LoRA inputs
+        self.adapters = self.prep.adapters = _adapter_pool(manifest, self.decoder)
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
@@ -163,6 +165,29 @@ class Engine:
 
     def unhold(self) -> None:
         self._busy.release()
+
+    # -- LoRA adapters --------------------------------------------------------------------
+    # Thread-safe and never blocking a running session: a Scheduler may hold the engine meanwhile.
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load the PEFT LoRA adapter directory ``path`` under ``name`` into a free slot (or the least
+        recently used one no request holds); requests choose it with ``GenerationConfig(adapter=name)``.
+        A bad adapter, a name already loaded or every slot in use: one GraphkilnError line."""
+        self._lora_pool(f"load adapter {name!r}").load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name``; refused (GraphkilnError) while running requests use it."""
+        self._lora_pool(f"unload adapter {name!r}").unload(name)
+
+    def adapter_names(self) -> list[str]:
+        """The loaded adapters' names (none for an artifact without LoRA inputs)."""
+        return self.adapters.names() if self.adapters is not None else []
+
+    def _lora_pool(self, what: str):
+        if self.adapters is None:
+            raise GraphkilnError(f"{what}: this artifact takes no LoRA adapters: re-export it with "
+                                 "'graphkiln export ... --lora-rank R'")
+        return self.adapters
 
     # -- generation -----------------------------------------------------------------------
 
@@ -325,7 +350,11 @@ class Engine:
         waiting = deque(active)
         try:
             while waiting or batch.rows:
-                stepped = batch.execute(batch.plan(waiting))
+                plan = batch.plan(waiting)
+                failed = next((r for r in plan.cancelled if r.error is not None), None)
+                if failed is not None:  # its adapter was unloaded meanwhile
+                    raise failed.error
+                stepped = batch.execute(plan)
                 failed = next((r for r in stepped if r.error is not None), None)
                 if failed is not None:
                     raise failed.error
@@ -336,6 +365,23 @@ class Engine:
         finally:
             # Failure or cancellation (the caller closed the stream): free what is still held.
             batch.release_all()
+
+
+def _adapter_pool(manifest: Manifest, runner):
+    """The LoRA slots for ``runner``'s adapter stacks (``runtime.lora.AdapterPool``), bound to it; None
+    for an artifact without LoRA inputs."""
+    if manifest.lora is None:
+        return None
+    from graphkiln.runtime.lora import AdapterPool, LoraTarget
+
+    shapes: dict = {}
+    for t in runner.spec.inputs:
+        if t.role in ("lora_a", "lora_b"):
+            shapes.setdefault((t.layer, t.module), {})[t.role] = t.shape
+    targets = [LoraTarget(layer, module, s["lora_a"][1], s["lora_b"][2]) for (layer, module), s in sorted(shapes.items())]
+    pool = AdapterPool(targets, manifest.lora.rank, manifest.lora.max_loras, num_layers=manifest.model.num_layers)
+    runner.bind_adapters(pool.arrays)
+    return pool
 
 
 def _is_single(prompts) -> bool:

@@ -461,12 +461,25 @@ def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int,
 # slots
 
 
+def _content_digest(adapter: dict) -> bytes:
+    import hashlib
+
+    h = hashlib.blake2b(b"graphkiln-lora/", digest_size=16)
+    for key in sorted(adapter):
+        a, b = adapter[key]
+        h.update(f"{key[0]}.{key[1]}:{a.dtype.str}{a.shape}{b.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(b).tobytes())
+    return h.digest()
+
+
 @dataclass
 class _Slot:
     name: str | None = None  # the adapter held (routable by name unless busy); None: free
     busy: bool = False  # rows being written by load/unload outside the lock: neither free nor routable
     refs: int = 0  # running requests that route rows to this slot
     last_used: int = 0  # LRU clock value of the latest load/acquire/release
+    digest: bytes = b""  # the held adapter's content hash (``AdapterPool.digest``)
 
 
 class AdapterPool:
@@ -574,6 +587,7 @@ class AdapterPool:
                 raise _refuse(Path(path), f"values overflow the artifact's {self.dtype.name} adapter inputs; "
                                           f"use a float32 artifact or an adapter with smaller weights")
 
+        digest = _content_digest(adapter)
         with self._lock:
             self._refuse_taken(name)
             index = self._claim()
@@ -587,6 +601,7 @@ class AdapterPool:
             raise
         with self._lock:
             slot.busy = False
+            slot.digest = digest
             self._tick(slot)
             self.version += 1
         return index
@@ -662,6 +677,12 @@ class AdapterPool:
                 raise ValueError(f"release of LoRA slot {slot!r}, which no request holds")  # an engine bug
             self._slots[slot].refs -= 1
             self._tick(self._slots[slot])
+
+    def digest(self, slot: int) -> bytes:
+        """A hash of what ``slot`` holds (b"" for slot 0, the base model): equal for the same
+        adapter loaded twice, different for different weights under one name (prefix-cache keys)."""
+        with self._lock:
+            return self._slots[slot].digest if slot else b""
 
     def refs(self, slot: int) -> int:
         """How many running requests hold ``slot``."""

@@ -41,6 +41,9 @@ class GenerationConfig:
     # plus the n most likely alternatives (GenerationResult.prompt_logprobs). Computed by the
     # prefill run itself, chunk by chunk; with max_new_tokens 0 the request only prefills.
     prompt_logprobs: int | None = None
+    # the LoRA adapter (by the name it was loaded under: Engine.load_adapter) this request's rows
+    # use; None: the base model. Needs an artifact exported with --lora-rank.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse values that would crash deep inside numpy or silently mean something else
@@ -58,6 +61,8 @@ class GenerationConfig:
             raise GraphkilnError(f"top_p must be a number in (0, 1], got {self.top_p!r}: use 1 to disable it")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             raise GraphkilnError(f"stop_token_ids must be integers, got {tuple(self.stop_token_ids)!r}")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise GraphkilnError(f"adapter must be the name of a loaded LoRA adapter or None, got {self.adapter!r}")
         if self.return_hidden_states not in HIDDEN_STATE_MODES:
             raise GraphkilnError(f"return_hidden_states must be None, 'last' or 'all', got {self.return_hidden_states!r}")
         if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):

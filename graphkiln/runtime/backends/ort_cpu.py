@@ -27,7 +27,8 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.threads import check_threads
 from graphkiln.batched_int8 import derived_weights
-from graphkiln.manifest import SLOT_STATE_INPUTS, SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec, is_pool_output
+from graphkiln.manifest import (LORA_STACK_ROLES, SLOT_STATE_INPUTS, SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec,
+                                is_pool_output, is_state)
 from graphkiln.runtime.prompt_layout import needed_roles, pack
 from graphkiln.runtime.backends.state import StatePool
 
@@ -153,7 +154,13 @@ class DecoderGraph:
         seam = next((t for t in spec.inputs if t.role == "vision_embeddings"), None)
         if seam is not None:  # zero rows: a step without images
             self._no_vision_rows = np.zeros((0, seam.shape[1]), numpy_dtype(seam.dtype))
-        self.states = [(t.role, t.layer, t.name) for t in spec.inputs if t.layer is not None]
+        self.states = [(t.role, t.layer, t.name) for t in spec.inputs if is_state(t)]
+        # LoRA stacks (manifest.LoraSpec): input name -> ((layer, module), 0 for A / 1 for B); their
+        # arrays come from ``bind_adapters`` (the engine's AdapterPool, never reallocated)
+        self.lora_stacks = {t.name: ((t.layer, t.module), LORA_STACK_ROLES.index(t.role)) for t in spec.inputs
+                            if t.role in LORA_STACK_ROLES}
+        self._lora_feeds: dict[str, np.ndarray] = {}
+        self._lora_values: dict[str, object] = {}  # name -> OrtValue over the pool's array (in-place graphs)
         self.outputs = [t.name for t in spec.outputs]
         self.new = [(t.role, t.layer) for t in spec.outputs]
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
@@ -179,6 +186,17 @@ class DecoderGraph:
         self.has_hidden_states = self._hidden_at is not None
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
                             if t.role in ("new_key", "new_value", *SLOT_STATE_ROLES.values()) and not is_pool_output(t)]
+
+    def bind_adapters(self, arrays) -> None:
+        """Feed the LoRA stack inputs from ``arrays`` ({(layer, module): (A, B)}, the engine's
+        ``runtime.lora.AdapterPool.arrays``), which the caller keeps alive and never reallocates
+        for this object's life; rows of ``lora_index`` pick their slot. Until then a graph with
+        LoRA inputs cannot run."""
+        import onnxruntime as ort
+
+        self._lora_feeds = {name: arrays[key][which] for name, (key, which) in self.lora_stacks.items()}
+        self._lora_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self._lora_feeds.items()}
+        self._bindings.clear()
 
     def run(self, pool: StatePool, first_input: np.ndarray, position_ids: np.ndarray,
             logits_index: np.ndarray, lengths: np.ndarray,
@@ -220,6 +238,11 @@ class DecoderGraph:
             given[role] = (extra or {}).get(role)
             if given[role] is None:
                 given[role] = pack((role,), [None] * n, position_ids[:, 0], seq)[role]
+        if "lora_index" in self.names:  # each row's adapter slot (0: none)
+            index = (extra or {}).get("lora_index")
+            given["lora_index"] = np.zeros(n, np.int64) if index is None else index
+            if len(self._lora_feeds) != len(self.lora_stacks):
+                raise RuntimeError("a LoRA graph run before bind_adapters")
         session = self._session_for(n * seq)
         if self.present or self.pool_outputs:
             outs = self._run_bound(session, pool, n, first_slot, tokens_only, given,
@@ -230,6 +253,7 @@ class DecoderGraph:
             for role, layer, name in self.states:
                 feeds[name] = (keys[layer] if role == "past_key" else values[layer] if role == "past_value"
                                else slot_pool(pool, role, layer))
+            feeds.update(self._lora_feeds)
             skip = {self._logits_at if tokens_only else self._next_token_at}
             if not with_hidden:
                 skip.add(self._hidden_at)
@@ -307,6 +331,8 @@ class DecoderGraph:
         while len(self._bindings) >= _KEPT_BINDINGS:
             del self._bindings[next(iter(self._bindings))]
         binding = session.io_binding()
+        for name, value in self._lora_values.items():  # the adapter pool's arrays: bound once, written in place
+            binding.bind_ortvalue_input(name, value)
         keys, values = pool.kv_views(n, first)
         kv_values = {}
         for role, layer, name in self.states:

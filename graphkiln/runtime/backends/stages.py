@@ -125,6 +125,11 @@ class StagedDecoder:
         self.has_next_token = runners[-1].has_next_token
         self.has_hidden_states = runners[-1].has_hidden_states
 
+    def bind_adapters(self, arrays) -> None:
+        """``DecoderGraph.bind_adapters`` for every stage (each feeds its own layers' stacks)."""
+        for runner in self.runners:
+            runner.bind_adapters(arrays)
+
     def run(self, pool: StagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
             lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
             tokens_only: bool = False, with_hidden: bool = False):

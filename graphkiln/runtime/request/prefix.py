@@ -3,8 +3,8 @@
 Design (after vLLM's prefix caching: ``vllm/v1/core/kv_cache_utils.py``, ``block_pool.py``).
 A sequence's positions are cut into blocks of ``block_size`` tokens; only full blocks are kept.
 Block i's key is a hash chain: ``H(key of block i-1, its token ids, the content hashes of the
-images whose placeholder tokens fall in it)``, the first block's parent being a salt (empty
-today; a LoRA adapter's id will go there, so two adapters never share rows). Equal keys mean
+images whose placeholder tokens fall in it)``, the first block's parent being a salt (the
+request's LoRA adapter's content hash, empty for the base model, so two adapters never share rows). Equal keys mean
 equal prefixes up to and including that block (tokens, images and everything before), so a
 block's rows depend on nothing else and any request whose chain reaches it may reuse them.
 
@@ -195,7 +195,7 @@ class PrefixCache:
             return NO_HIT
         self._check_epoch()
         n = len(r.prompt_ids)
-        self.index.extend_keys(r.keys, r.prompt_ids, r.image_spans)
+        self.index.extend_keys(r.keys, r.prompt_ids, r.image_spans, r.adapter_salt)
         limit = n - 1 if self.index.snapshots else n
         hit = self.index.lookup(r.keys, limit)
         # never start inside an image (a chunk holds a whole image: runtime.prompt_layout)
@@ -207,7 +207,7 @@ class PrefixCache:
 
     def first_key(self, r) -> bytes | None:
         """The key of ``r``'s first block (None: shorter than a block); requests sharing it share a prefix."""
-        self.index.extend_keys(r.keys, r.prompt_ids[: self.block_size], r.image_spans)
+        self.index.extend_keys(r.keys, r.prompt_ids[: self.block_size], r.image_spans, r.adapter_salt)
         return r.keys[0] if r.keys else None
 
     def restore(self, r, hit: Hit) -> None:
@@ -228,7 +228,7 @@ class PrefixCache:
         if full <= r.saved_blocks:
             return
         self._check_epoch()
-        self.index.extend_keys(r.keys, (r.prompt_ids + r.tokens)[: full * self.block_size], r.image_spans)
+        self.index.extend_keys(r.keys, (r.prompt_ids + r.tokens)[: full * self.block_size], r.image_spans, r.adapter_salt)
         writes, snapshot = self.index.insert(r.keys[:full], snapshot_last=cached == full * self.block_size)
         if writes or snapshot is not None:
             self.pool.save_blocks(r.slot, [b for b, _ in writes], [i for _, i in writes], snapshot)

@@ -67,6 +67,8 @@ class Preparer:
         self.backend, self.device = backend, device  # named in refusals
         self.runner = runner
         self.layout_roles = needed_roles({t.role for t in runner.spec.inputs})
+        # the engine's LoRA slots (runtime.lora.AdapterPool) when the graph takes lora_index
+        self.adapters = None
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -222,9 +224,11 @@ class Preparer:
     def extra(self, reqs: Sequence, starts: np.ndarray, seq: int) -> dict[str, np.ndarray] | None:
         """The layout inputs of one step over ``reqs`` (row b: request b from ``starts[b]``); None when
         the graph takes none (the GPU runners, which refuse such artifacts, take no ``extra``)."""
-        if not self.layout_roles:
-            return None
-        return pack(self.layout_roles, [r.layout for r in reqs], starts, seq)
+        extra = pack(self.layout_roles, [r.layout for r in reqs], starts, seq) if self.layout_roles else None
+        if self.adapters is not None:
+            extra = extra or {}
+            extra["lora_index"] = np.array([r.adapter_slot or 0 for r in reqs], np.int64)
+        return extra
 
     # -- settings -------------------------------------------------------------------------
 
@@ -257,7 +261,20 @@ class Preparer:
             raise GraphkilnError("stop strings need a tokenizer and this artifact has none: use stop token ids")
         if c.return_hidden_states is not None:
             self.check_hidden_states("return_hidden_states")
+        if c.adapter is not None:
+            self.check_adapter(c.adapter)
         return c, params
+
+    def check_adapter(self, name: str) -> None:
+        """Refuse (one line) an adapter this engine does not have loaded, or any adapter on an
+        artifact without LoRA inputs."""
+        if self.adapters is None:
+            raise GraphkilnError(f"adapter {name!r}: this artifact takes no LoRA adapters: re-export it with "
+                                 "'graphkiln export ... --lora-rank R'")
+        if name not in self.adapters:
+            loaded = ", ".join(repr(n) for n in self.adapters.names()) or "none"
+            raise GraphkilnError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded}): load it first "
+                                 "(Engine.load_adapter, serve --lora NAME=DIR)")
 
     def check_hidden_states(self, what: str) -> None:
         """Refuse (one line) hidden states from an artifact or backend that cannot give them."""

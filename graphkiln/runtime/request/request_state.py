@@ -74,6 +74,11 @@ class RequestState:
     keys: list[bytes] = field(default_factory=list)
     saved_blocks: int = 0
     cached_tokens: int = 0
+    # LoRA (runtime.lora.AdapterPool): the adapter slot this request's rows use, held from admission
+    # (``StepBatch.plan``) to release; None: not acquired yet (0 once acquired: the base model). Its
+    # identity salts the prefix keys, so blocks are never shared across adapters.
+    adapter_slot: int | None = None
+    adapter_salt: bytes = b""
 
     @property
     def position(self) -> int:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.backends.state import PAD_ID
 from graphkiln.runtime.request.prefix import PrefixCache
 from graphkiln.runtime.request.prepare import Preparer
@@ -107,6 +108,7 @@ class StepBatch:
             for r in [r for r in waiting if r.cancel_requested]:
                 waiting.remove(r)
                 finish_cancelled(r)
+                self._release_adapter(r)
                 cancelled.append(r)
         decode = self.rows[: len(self.rows) - (self.partial is not None)]
         budget = math.inf if self.step_tokens is None else self.step_tokens - len(decode)
@@ -121,6 +123,10 @@ class StepBatch:
             while waiting and self.pool.free_slots > len(group):
                 r = waiting[0]
                 n = len(r.prompt_ids)
+                if r.adapter_slot is None and not self._acquire_adapter(r):
+                    waiting.popleft()
+                    cancelled.append(r)
+                    continue
                 if self.prefix is not None:
                     hit = self.prefix.find(r)
                     if hit.tokens:  # a cached prefix: prefilled alone from there, past in its slot
@@ -148,6 +154,26 @@ class StepBatch:
             r.slot = self.pool.claim()
             self.rows.append(r)
         return Plan(decode, group, 0, ends, cancelled)
+
+    def _acquire_adapter(self, r: RequestState) -> bool:
+        """Hold the request's LoRA adapter slot from admission on (``runtime.lora.AdapterPool``);
+        False, with the request failed, when its adapter was unloaded since it was submitted."""
+        adapters = self.prep.adapters
+        if adapters is None:
+            r.adapter_slot = 0
+            return True
+        try:
+            r.adapter_slot = adapters.acquire(r.cfg.adapter)
+        except GraphkilnError as exc:
+            r.error, r.finish_reason = exc, "error"
+            return False
+        r.adapter_salt = adapters.digest(r.adapter_slot)
+        return True
+
+    def _release_adapter(self, r: RequestState) -> None:
+        if r.adapter_slot and self.prep.adapters is not None:
+            self.prep.adapters.release(r.adapter_slot)
+        r.adapter_slot = None
 
     def _chunk_end(self, r: RequestState, start: int, budget: float) -> int:
         """Where a prefill chunk of ``r`` from ``start`` ends: its prompt's end if the budget allows,
@@ -343,5 +369,6 @@ class StepBatch:
             self.rows[dst].slot = dst
         self.rows.pop()
         r.slot = None
+        self._release_adapter(r)
 
 
