@@ -585,6 +585,64 @@ def llama_case(tiny) -> Case:
     return tiny("llama_gqa_bias")
 
 
+# LoRA adapters (export --lora-rank): random PEFT adapters with non-zero B on llama_tok. alpha: rank 4,
+# every projection; beta: rank 8 with rsLoRA on q/v/down only (the export's rank is 8: alpha is padded).
+LORA_ADAPTERS = {
+    "alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"]),
+    "beta": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+}
+LORA_EXPORT = dict(lora_rank=8, max_loras=2)
+
+
+def make_peft_adapter(checkpoint: Path, out: Path, seed: int, **settings) -> Path:
+    """Save a random PEFT LoRA adapter (``init_lora_weights=False``: B non-zero) of ``checkpoint``."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **settings))
+    model.save_pretrained(str(out))
+    return out
+
+
+@dataclass
+class LoraCase:
+    """llama_tok exported with LoRA inputs (``LORA_EXPORT``) and its adapters by name (``LORA_ADAPTERS``)."""
+
+    checkpoint: Path
+    artifact: Path
+    adapters: dict
+    manifest: object
+
+    def merged(self, name: str | None):
+        """The transformers reference: the base model, or PEFT's merge_and_unload() of adapter ``name``."""
+        import peft
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(self.checkpoint), dtype=torch.float32).eval()
+        if name is None:
+            return model
+        return peft.PeftModel.from_pretrained(model, str(self.adapters[name])).merge_and_unload().eval()
+
+
+@pytest.fixture(scope="session")
+def lora_case(tiny, tmp_path_factory) -> LoraCase:
+    """``LoraCase`` on the onnxruntime target (built once per worker)."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    root = tmp_path_factory.mktemp("lora")
+    ckpt = tiny("llama_tok").checkpoint
+    adapters = {name: make_peft_adapter(ckpt, root / name, seed=100 + i, **settings)
+                for i, (name, settings) in enumerate(LORA_ADAPTERS.items())}
+    art = root / "artifact"
+    manifest = export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, **LORA_EXPORT))
+    return LoraCase(ckpt, art, adapters, manifest)
+
+
 @pytest.fixture(scope="session")
 def sampling_default_case(tiny) -> Case:
     """Qwen2 whose generation_config.json asks for sampling by default (like instruct models)."""
