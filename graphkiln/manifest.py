@@ -178,6 +178,12 @@ def _sha256(text: str) -> str:
     return text
 
 
+def _module_path(text: str) -> str:
+    if text.count("{layer}") != 1 or not re.fullmatch(r"[A-Za-z0-9_.]+", text.replace("{layer}", "0")):
+        raise ValueError("must be a dotted module path holding {layer} once (e.g. model.layers.{layer}.self_attn.q_proj)")
+    return text
+
+
 PosInt = Annotated[int, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 Text = Annotated[str, AfterValidator(_printable)]
@@ -565,6 +571,18 @@ class LoraSpec:
     rank: PosInt
     max_loras: PosInt
     modules: Annotated[tuple[Literal[LORA_MODULES], ...], Field(min_length=1)]  # type: ignore[valid-type]
+    # each adaptable projection's module path in the checkpoint's model, "{layer}" standing for the
+    # layer number (how PEFT names its tensors: base_model.model.<path>.lora_A.weight); a superset of
+    # ``modules`` (a projection the model has but the export left out is refused by name)
+    module_paths: dict[Literal[LORA_MODULES], Annotated[str, AfterValidator(_module_path)]] = field(  # type: ignore[valid-type]
+        default_factory=dict)
+
+    @model_validator(mode="after")
+    def _paths_cover_modules(self) -> "LoraSpec":
+        missing = [m for m in self.modules if m not in self.module_paths]
+        if missing:
+            raise _FieldError(("module_paths",), f"lacks {missing[0]}, one of modules")
+        return self
 
 
 @with_config(_STRICT)

@@ -592,7 +592,7 @@ LORA_ADAPTERS = {
                                                      "down_proj"]),
     "beta": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
 }
-LORA_EXPORT = dict(lora_rank=8, max_loras=2)
+LORA_EXPORT = dict(lora_rank=8, max_loras=2, target="onnxruntime,portable,tensorrt")  # one graph per target
 
 
 def make_peft_adapter(checkpoint: Path, out: Path, seed: int, **settings) -> Path:
@@ -631,7 +631,8 @@ class LoraCase:
 
 @pytest.fixture(scope="session")
 def lora_case(tiny, tmp_path_factory) -> LoraCase:
-    """``LoraCase`` on the onnxruntime target (built once per worker)."""
+    """``LoraCase``, one artifact holding the three targets' graphs (the onnxruntime one is the
+    default; ``Engine.load(..., target=)`` picks another), built once per worker."""
     from graphkiln.export.pipeline import ExportOptions, export_model
 
     root = tmp_path_factory.mktemp("lora")

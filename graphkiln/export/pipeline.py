@@ -207,6 +207,27 @@ def lora_shape(opts: ExportOptions, cfg):
     return dataclasses.replace(probe.lora, modules=tuple(m for m in LORA_TARGET_NAMES.values() if m in present))
 
 
+def lora_module_paths(family, cfg) -> dict[str, str]:
+    """Each adaptable projection's checkpoint module path with "{layer}" for the layer (what PEFT
+    names its tensors after; manifest.LoraSpec.module_paths), from the family's weight mapping.
+    A projection the checkpoint stores fused with others (Phi-3's qkv_proj) has no path of its
+    own: refused when asked for, left out of the default."""
+    from graphkiln.models.config import LoraShape
+
+    everything = dataclasses.replace(cfg, lora=LoraShape(1, 1, tuple(LORA_TARGET_NAMES.values())))
+    paths = {}
+    for i in range(cfg.num_layers):
+        for module, _, _ in everything.lora_targets(i):
+            if module in paths:
+                continue
+            container = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = family.source(f"model.layers.{i}.{container}.{module}.weight", cfg)
+            marker = f"layers.{i}."
+            if isinstance(name, str) and name.endswith(".weight") and name.count(marker) == 1:
+                paths[module] = name.removesuffix(".weight").replace(marker, "layers.{layer}.")
+    return paths
+
+
 def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions()) -> Manifest:
     from graphkiln.export.onnx_export import SUPPORTED_OPSETS
     from graphkiln.models.weights import DTYPES
@@ -273,7 +294,16 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         cfg = family.parse_config(raw)
     except (ValueError, TypeError) as exc:
         raise GraphkilnError(f"config.json is inconsistent ({exc}): fix or re-save it") from None
-    cfg = dataclasses.replace(cfg, lora=lora_shape(opts, cfg))
+    lora, lora_paths = lora_shape(opts, cfg), {}
+    if lora is not None:
+        lora_paths = lora_module_paths(family, cfg)
+        unnamed = [m for m in lora.modules if m not in lora_paths]
+        if unnamed and (opts.lora_targets is not None or len(unnamed) == len(lora.modules)):
+            raise GraphkilnError(f"--lora-targets: this {arch} checkpoint stores {unnamed[0]} fused with other "
+                                 f"projections, so adapters cannot name it alone; leave it out (adaptable: "
+                                 f"{','.join(lora_paths) or 'none'})")
+        lora = dataclasses.replace(lora, modules=tuple(m for m in lora.modules if m in lora_paths))
+    cfg = dataclasses.replace(cfg, lora=lora)
     max_seq_len = cfg.max_position_embeddings if opts.max_seq_len is None else opts.max_seq_len
     check_max_seq_len(max_seq_len, cfg, "--max-seq-len" if opts.max_seq_len is not None else
                       "max_position_embeddings in config.json")
@@ -358,7 +388,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             vision=exported.vision,
             stages=exported.stage_specs(tuple(states)),
             batched=exported.batched,
-            lora=LoraSpec(cfg.lora.rank, cfg.lora.max_loras, cfg.lora.modules) if cfg.lora else None,
+            lora=LoraSpec(cfg.lora.rank, cfg.lora.max_loras, cfg.lora.modules, lora_paths) if cfg.lora else None,
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")

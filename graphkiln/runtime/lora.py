@@ -42,18 +42,36 @@ from graphkiln.errors import GraphkilnError
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Where each projection lives inside a decoder layer, as PEFT names it for a Llama-style
-# ``*ForCausalLM`` (checked against peft's own output in tests/test_lora_adapters.py).
+# ``*ForCausalLM`` (checked against peft's own output in tests/test_lora_adapters.py); other
+# families' artifacts record their own paths (``manifest.LoraSpec.module_paths``).
 _CONTAINER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+LLAMA_MODULE_PATHS = {m: f"model.layers.{{layer}}.{c}.{m}" for m, c in _CONTAINER.items()}
+
+
+def _name_patterns(module_paths: Mapping[str, str]) -> list[tuple[re.Pattern, str]]:
+    """Per module, the PEFT tensor-name pattern of its path template ("...layers.{layer}.mixer.q_proj")."""
+    out = []
+    for module, template in module_paths.items():
+        head, tail = template.split("{layer}")
+        out.append((re.compile(rf"base_model\.model\.({re.escape(head)}(0|[1-9][0-9]{{0,5}}){re.escape(tail)})"
+                               rf"\.lora_([AB])\.weight"), module))
+    return out
+
+
+def _parse_name(patterns, name: str):
+    """(module path, layer, module, "A"/"B") of a PEFT LoRA tensor name, or None."""
+    for pattern, module in patterns:
+        m = pattern.fullmatch(name)
+        if m:
+            return m.group(1), int(m.group(2)), module, m.group(3)
+    return None
 
 # PEFT saves the default adapter's weights as
 #   base_model.model.<module path in the base model>.lora_A.weight   [r, in]
 #   base_model.model.<module path in the base model>.lora_B.weight   [out, r]
 # with the module path "model.layers.<i>.<self_attn|mlp>.<proj>" for a *ForCausalLM. The layer
 # number is matched without leading zeros so two spellings cannot name one module.
-_TENSOR_NAME = re.compile(
-    r"base_model\.model\.(model\.layers\.(0|[1-9][0-9]{0,5})\.(self_attn|mlp)\.([A-Za-z0-9_]+))"
-    r"\.lora_([AB])\.weight")
 
 # Options that change what the adapter computes (or need weights graphkiln does not have): each
 # refused with its own reason. Values that mean "off" (null, false, empty) pass.
@@ -358,8 +376,8 @@ def _read_tensor(path: Path, file: Path, stored: _Stored) -> np.ndarray:
     return data.astype(np.float32).reshape(stored.shape)
 
 
-def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int,
-                      num_layers: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int, num_layers: int,
+                      module_paths: Mapping[str, str] | None = None) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """Read and validate a PEFT LoRA directory against an artifact's LoRA targets.
 
     Returns ``{(layer, module): (A, B)}`` for each target the adapter touches, with A float32
@@ -372,7 +390,9 @@ def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int,
     ``num_layers`` is the model's decoder layer count, to tell an adapter for a bigger model from
     one for a target the artifact was not exported with. Order of checks: the config, then every
     tensor's name and shape from the safetensors header, then the data (float, finite). Any problem
-    raises one ``GraphkilnError`` line. Pickled weights are never opened.
+    raises one ``GraphkilnError`` line. Pickled weights are never opened. ``module_paths``: each
+    module's path in the base model with ``{layer}`` for the layer number (default: Llama's,
+    ``LLAMA_MODULE_PATHS``).
     """
     path = Path(path)
     targets = list(targets)
@@ -394,15 +414,18 @@ def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int,
         raise _refuse(path, "adapter_model.safetensors holds no tensors; pass a trained LoRA adapter")
 
     pairs: dict[tuple[int, str], dict[str, str]] = {}
-    module_paths: dict[tuple[int, str], str] = {}
+    paths = dict(module_paths or LLAMA_MODULE_PATHS)
+    found_paths: dict[tuple[int, str], str] = {}
+    patterns = _name_patterns(paths)
     for name in sorted(index):
-        m = _TENSOR_NAME.fullmatch(name)
-        if m is None or _CONTAINER.get(m.group(4)) != m.group(3):
+        parsed = _parse_name(patterns, name)
+        if parsed is None:
+            example = next(iter(paths.values())).replace("{layer}", "<i>")
             raise _refuse(path, f"unknown tensor {_show(name)} (one of {len(index)}); graphkiln applies only LoRA "
-                                f"pairs 'base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A/B.weight' "
-                                f"of {', '.join(MODULES)}: the adapter is for another architecture or carries "
-                                f"extra weights")
-        module_path, layer, module, which = m.group(1), int(m.group(2)), m.group(4), m.group(5)
+                                f"pairs 'base_model.model.<projection path>.lora_A/B.weight' of this model's "
+                                f"{', '.join(paths)} (e.g. {example}): the adapter is for another architecture or "
+                                f"carries extra weights")
+        module_path, layer, module, which = parsed
         if layer >= num_layers:
             raise _refuse(path, f"tensor {_show(name)} is for layer {layer}, but the model has {num_layers} "
                                 f"layer(s): the adapter was trained for a different base model")
@@ -414,11 +437,11 @@ def read_peft_adapter(path, targets: Iterable[LoraTarget], rank: int,
                                 f"{', '.join(exported) if exported else _module_list(targets)}); re-export with "
                                 f"--lora-targets {wanted}")
         pairs.setdefault((layer, module), {})[which] = name
-        module_paths[(layer, module)] = module_path
+        found_paths[(layer, module)] = module_path
 
     plan = []  # (key, A name, B name, r, scale): everything checked before any data is read
     for key, pair in pairs.items():
-        target, module_path = by_key[key], module_paths[key]
+        target, module_path = by_key[key], found_paths[key]
         for which in "AB":
             if which not in pair:
                 present = pair["B" if which == "A" else "A"]
@@ -506,7 +529,7 @@ class AdapterPool:
     """
 
     def __init__(self, targets: Iterable[LoraTarget], rank: int, max_loras: int, dtype="float32",
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, module_paths: Mapping[str, str] | None = None):
         self.targets = tuple(targets)
         if not self.targets:
             raise ValueError("AdapterPool needs at least one LoraTarget")
@@ -518,6 +541,7 @@ class AdapterPool:
         if self.dtype not in (np.float32, np.float16):
             raise ValueError(f"AdapterPool dtype must be float32 or float16, not {dtype!r}")
         self.rank, self.max_loras = rank, max_loras
+        self.module_paths = dict(module_paths) if module_paths else None  # read_peft_adapter's
         self.num_layers = num_layers if num_layers is not None else 1 + max(t.layer for t in self.targets)
         self._arrays = {t.key: (np.zeros((max_loras + 1, t.in_features, rank), self.dtype),
                                 np.zeros((max_loras + 1, rank, t.out_features), self.dtype)) for t in self.targets}
@@ -579,7 +603,7 @@ class AdapterPool:
                                            f"printable characters"))
         with self._lock:
             self._refuse_taken(name)
-        adapter = read_peft_adapter(path, self.targets, self.rank, self.num_layers)
+        adapter = read_peft_adapter(path, self.targets, self.rank, self.num_layers, self.module_paths)
         if self.dtype != np.float32:
             with np.errstate(over="ignore"):  # overflow is checked (and refused) just below
                 adapter = {k: (a.astype(self.dtype), b.astype(self.dtype)) for k, (a, b) in adapter.items()}
