@@ -82,7 +82,7 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
-               "image_groups", "image_slots", "lora_index", "lora_a", "lora_b")
+               "image_groups", "image_slots", "lora_rows", "lora_slots", "lora_a", "lora_b")
 OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
                 "new_recurrent_state", "present_key", "present_value", "image_embeddings")
 # ``last_hidden_state`` (export --return-hidden-states): the last layer's hidden states AFTER the final
@@ -94,7 +94,7 @@ OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "n
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                  "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length",
-                 "rope_position_ids", "lookahead", "lora_index", "lora_a", "lora_b"),
+                 "rope_position_ids", "lookahead", "lora_rows", "lora_slots", "lora_a", "lora_b"),
                 ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
                  "new_recurrent_state", "present_key", "present_value")),
     # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.backends.vision_groups)
@@ -117,7 +117,7 @@ def graph_roles(name: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
 
 # symbolic dimensions; the runtime sizes the outputs it allocates from the first three
 DIM_NAMES = ("batch", "seq", "n_logits", "cache_len", "slots", "vision_rows", "images", "patches", "image_rows",
-             "windows", "image_patches")
+             "windows", "image_patches", "lora_rows")
 _ALLOCATED_DIMS = ("batch", "seq", "n_logits")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -564,9 +564,11 @@ class LoraSpec:
     """An adapter-capable artifact (``export --lora-rank``): its decoder (or stage) graphs take, per
     targeted projection ``modules`` of every layer that has it, an A stack ``lora_a``
     ``[max_loras + 1, in, rank]`` and a B stack ``lora_b`` ``[max_loras + 1, rank, out]``, and
-    ``lora_index`` ``[batch]`` (int64) choosing each row's slot; slot 0 is the base model (all
-    zeros). Row b's projection is ``base(x) + (x @ A[idx[b]]) @ B[idx[b]]``, B pre-scaled
-    (``runtime.lora``). The stacks are float32 whatever the model dtype."""
+    ``lora_rows`` / ``lora_slots`` (int64 ``[lora_rows]``): the batch rows that use an adapter and
+    each one's slot (slots 1..max_loras; slot 0 stays zeros). Row ``r = lora_rows[j]``'s projection
+    is ``base(x) + (x @ A[lora_slots[j]]) @ B[lora_slots[j]]``, B pre-scaled (``runtime.lora``);
+    the other rows are the base model's, and a step with no adapter row passes zero rows, so its
+    adapter ops run on empty tensors. The stacks are float32 whatever the model dtype."""
 
     rank: PosInt
     max_loras: PosInt
@@ -889,19 +891,18 @@ class Manifest:
             raise _FieldError(("stages",), f"cover layers 0:{expected}, not the model's {self.model.num_layers} layers")
 
     def _check_lora_graphs(self) -> None:
-        """Each decoder or stage graph of an adapter-capable artifact takes lora_index and, per
-        stack it has, its partner; an artifact without a lora record has none of them."""
+        """Each decoder or stage graph of an adapter-capable artifact that takes LoRA stacks takes
+        lora_rows and lora_slots and, per stack, its partner; an artifact without a lora record has
+        none of them."""
         for i, g in enumerate(self.graphs):
             stacks = {(t.layer, t.module, t.role) for t in g.inputs if t.role in LORA_STACK_ROLES}
-            has_index = any(t.role == "lora_index" for t in g.inputs)
+            routing = {t.role for t in g.inputs if t.role in ("lora_rows", "lora_slots")}
             if self.lora is None:
-                if has_index:
-                    raise _FieldError(("graphs", i, "inputs"), "takes lora_index, but the manifest has no lora record")
+                if routing:
+                    raise _FieldError(("graphs", i, "inputs"), f"takes {min(routing)}, but the manifest has no lora record")
                 continue
-            if g.name == "vision":
-                continue
-            if stacks and not has_index:
-                raise _FieldError(("graphs", i, "inputs"), "takes LoRA stacks but no lora_index")
+            if stacks and routing != {"lora_rows", "lora_slots"}:
+                raise _FieldError(("graphs", i, "inputs"), "takes LoRA stacks but not both lora_rows and lora_slots")
             for layer, module, role in sorted(stacks):
                 other = "lora_b" if role == "lora_a" else "lora_a"
                 if (layer, module, other) not in stacks:

@@ -84,13 +84,16 @@ def test_adapters_match_peft_merged_model(lora_case, target):
 
 def test_graph_keeps_its_fusions_and_fixed_stacks(lora_case):
     """The onnxruntime graph still packs q/k/v into GroupQueryAttention and fuses residual norms with
-    the adapter deltas in place; the stacks are float32 graph inputs of fixed [slots, in, rank]."""
+    the adapter updates in place, each update behind an If; the stacks are float32 graph inputs of
+    fixed [slots, in, rank]."""
     spec = lora_case.manifest.graph("decoder", "onnxruntime")
     model = onnx.load(str(lora_case.artifact / spec.file), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     assert gqa and all(n.input[1] == "" for n in gqa), "q/k/v not packed"
     assert "SkipSimplifiedLayerNormalization" in ops
+    # every adapter update (q/k/v, o, gate/up, down per layer) is skipped as a whole in steps without adapter rows
+    assert ops.count("If") == 4 * lora_case.manifest.model.num_layers
     stacks = [t for t in spec.inputs if t.role in ("lora_a", "lora_b")]
     layers = lora_case.manifest.model.num_layers
     assert len(stacks) == 2 * 7 * layers

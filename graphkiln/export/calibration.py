@@ -69,11 +69,17 @@ def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:
         args.append(torch.zeros(1, seq, dtype=torch.long))
     if cfg.has_slot_states:
         args += [torch.tensor([seq]), torch.tensor([0])]
+    if cfg.lora is not None:  # the base model's statistics: no row uses an adapter
+        args += [torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)]
     for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
             args += [torch.zeros(1, cfg.num_kv_heads, seq, cfg.head_dim, dtype=dtype) for _ in range(2)]
         else:
             args += [torch.zeros(1, *state.shape, dtype=dtype) for state in cfg.slot_states(i)]
+    if cfg.lora is not None:
+        from graphkiln.export.onnx_export import lora_stack_specs
+
+        args += [torch.zeros(t.shape) for t in lora_stack_specs(cfg, range(cfg.num_layers))]
     try:
         with torch.no_grad():
             decoder(*args)

@@ -217,6 +217,12 @@ def lower_for_targets(out_dir: Path, traced, used_ops, targets: tuple[str, ...],
             graph, rewritten = lower_for_tensorrt(out_dir, graph)
             say(f"      {rewritten} custom nodes -> TensorRT plugins (aot=1, state written in place)"
                 + (f" in {graph.file}" if len(targets) > 1 else ""))
+        from graphkiln.export.lowering.lora_guard import guard_lora_updates
+
+        guarded = guard_lora_updates(out_dir, graph)  # after the target's passes: nothing rewrites what the branches read
+        if guarded:
+            say(f"      {guarded} LoRA updates behind If (skipped in steps without adapter rows)"
+                + (f" in {graph.file}" if len(targets) > 1 else ""))
         if next_token and target in NEXT_TOKEN_TARGETS:
             from graphkiln.export.onnx_export import add_next_token
 

@@ -55,7 +55,7 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
         ins += [TensorSpec("seq_lens", "int64", ("batch",), "seq_lens"),
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
     if cfg.lora is not None:
-        ins.append(TensorSpec("lora_index", "int64", ("batch",), "lora_index"))
+        ins += LORA_ROUTING
     outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
     if hidden_states:
         outs.append(last_hidden_state_spec(cfg.hidden_size, dtype))
@@ -72,6 +72,11 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
                 outs.append(TensorSpec(f"new_{role}.{i}", dtype, ("batch", *state.shape), f"new_{role}", i))
     ins += lora_stack_specs(cfg, range(cfg.num_layers))
     return ins, outs
+
+
+# which batch rows use an adapter, and each one's slot (manifest.LoraSpec)
+LORA_ROUTING = [TensorSpec("lora_rows", "int64", ("lora_rows",), "lora_rows"),
+                TensorSpec("lora_slots", "int64", ("lora_rows",), "lora_slots")]
 
 
 def lora_stack_specs(cfg: DecoderConfig, layers) -> list[TensorSpec]:
@@ -188,9 +193,10 @@ def _trace(model: DecoderForExport, opset: int):
     if cfg.has_slot_states:
         states += [torch.full((b,), s, dtype=torch.long), torch.arange(b, dtype=torch.long)]
         state_dims += [{0: batch}, {0: batch}]
-    if cfg.lora is not None:
-        states.append(torch.arange(b, dtype=torch.long))
-        state_dims.append({0: batch})
+    if cfg.lora is not None:  # both rows use an adapter (two rows: the dimension stays symbolic)
+        lora_rows = Dim("lora_rows")
+        states += [torch.arange(b, dtype=torch.long), torch.arange(1, b + 1, dtype=torch.long)]
+        state_dims += [{0: lora_rows}, {0: lora_rows}]
     for i, layer in enumerate(cfg.layers):
         if layer.mixer == "attention":
             states += [torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim, dtype=dtype) for _ in range(2)]

@@ -246,9 +246,9 @@ def _module_class():
             seq_lens = slot_idx = None
             if self.has_conv:
                 seq_lens, slot_idx, rest = rest[0], rest[1], rest[2:]
-            lora_index = None
+            routing = None
             if self.has_lora:
-                lora_index, rest = rest[0], rest[1:]
+                routing, rest = (rest[0], rest[1]), rest[2:]
             n_states = sum(cfg.state_arity(i) for i in range(self.start, self.end))
             stacks = layer_stacks(cfg, range(self.start, self.end), rest[n_states:])
             # the decoder's own rope helper (M-RoPE included), over this module's tables
@@ -256,7 +256,7 @@ def _module_class():
             new_states, off = [], 0
             for i, layer in zip(range(self.start, self.end), self.model.layers.values()):
                 arity = cfg.state_arity(i)
-                lora = (lora_index, stacks[i]) if stacks[i] else None
+                lora = (*routing, stacks[i]) if stacks[i] else None
                 x, new = layer(x, rope, position_ids, rest[off: off + arity], slot_idx, seq_lens, lookahead, lora)
                 off += arity
                 new_states += new
@@ -293,7 +293,7 @@ def stage_io(cfg, start: int, end: int, first: bool, last: bool, dtype: str,
     if has_conv:
         wanted |= {"seq_lens", "slot_idx"}
     if any(cfg.lora_targets(i) for i in range(start, end)):  # a stage without targets has no use for it
-        wanted.add("lora_index")
+        wanted |= {"lora_rows", "lora_slots"}
     ins += [t for t in full_ins[3:] if t.layer is None and t.role in wanted]
     ins += [t for t in full_ins if t.layer is not None and start <= t.layer < end]
     # an ONNX graph defines each name once: a middle stage takes and returns hidden states
@@ -314,8 +314,8 @@ def _trace_stage(module, cfg, ins: list[TensorSpec], outs: list[TensorSpec], ops
     dtype = next(module.parameters()).dtype
     b, s, c, n, slots, rows = 2, 3, 5, 2, 4, 3
     dims = {"batch": Dim("batch"), "seq": Dim("seq"), "cache_len": Dim("cache_len"), "n_logits": Dim("n_logits"),
-            "slots": Dim("slots"), "vision_rows": Dim("vision_rows")}
-    example = {"batch": b, "seq": s, "cache_len": c, "n_logits": n, "slots": slots, "vision_rows": rows}
+            "slots": Dim("slots"), "vision_rows": Dim("vision_rows"), "lora_rows": Dim("lora_rows")}
+    example = {"batch": b, "seq": s, "cache_len": c, "n_logits": n, "slots": slots, "vision_rows": rows, "lora_rows": b}
     args, dynamic = [], []
     for t in ins:
         shape = tuple(example[d] if isinstance(d, str) else d for d in t.shape)
@@ -329,8 +329,10 @@ def _trace_stage(module, cfg, ins: list[TensorSpec], outs: list[TensorSpec], ops
             value = torch.arange(b, dtype=torch.long)
         elif t.role == "vision_scatter_indices":
             value = torch.tensor([0, b * s + 1, 2], dtype=torch.long)  # the out-of-range skip is traced too
-        elif t.role == "lora_index":
+        elif t.role == "lora_rows":  # both rows use an adapter
             value = torch.arange(b, dtype=torch.long)
+        elif t.role == "lora_slots":
+            value = torch.arange(1, b + 1, dtype=torch.long)
         elif t.dtype == "int64":
             value = torch.zeros(shape, dtype=torch.long)
         elif t.role in ("lora_a", "lora_b"):  # float32 whatever the model dtype

@@ -25,7 +25,8 @@ Graph contract (one graph serves prefill and decode):
                 image_lookahead: Gemma3's bidirectional images; graphkiln.Attention)
   seq_lens      int64 [batch]           real tokens per row      (only with slot-state layers)
   slot_idx      int64 [batch]           row b's slot             (only with slot-state layers)
-  lora_index    int64 [batch]           row b's adapter slot, 0: none (only with ``cfg.lora``)
+  lora_rows     int64 [lora_rows]       the rows that use a LoRA adapter   } only with ``cfg.lora``;
+  lora_slots    int64 [lora_rows]       each one's adapter slot (1..N)     } zero rows: none does
   then per layer, in layer order:
     attention:  past_key.i / past_value.i  [batch, kv_heads, cache_len, head_dim]
                 (only positions < start_b are read)
@@ -34,7 +35,7 @@ Graph contract (one graph serves prefill and decode):
                 k_dim, v_dim] (whole pools, read at slot_idx; ``DecoderConfig.slot_states``)
   then, with ``cfg.lora``, per layer, per projection of ``cfg.lora_targets(layer)``:
     lora_a.{module}.i float32 [slots, in, rank], lora_b.{module}.i float32 [slots, rank, out]
-                (every adapter slot's A and B; the projection adds (x @ A[idx]) @ B[idx], see ``lora_delta``)
+                (every adapter slot's A and B; ``with_lora`` adds (x[r] @ A[slot]) @ B[slot] to each lora row r)
   -> logits     float32 [batch, n_logits, vocab]
   -> last_hidden_state [batch, n_logits, hidden] (model dtype; only with return_hidden_states):
                 the final-norm hidden states at the logits_index positions
@@ -60,29 +61,29 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F
                 "relu2": lambda x: F.relu(x) * F.relu(x)}  # a Mul, not Pow: Pow is what unfused norms leave
 
 
-def lora_delta(x: torch.Tensor, lora, module: str, out_features: int) -> torch.Tensor | None:
-    """Each row's adapter update of projection ``module`` for input ``x`` [b, s, in]: (x @ A[idx_b]) @ B[idx_b],
-    [b, s, out]; None when ``lora`` (lora_index, {module: (A stack, B stack)}) does not target it.
-
-    The stacks are float32 and gathered per row before the cast to x's dtype (a step reads only the
-    rows' slots). Slot 0 is zeros, so a row without an adapter adds exactly zero."""
-    if lora is None or module not in lora[1]:
-        return None
-    index, (a, b) = lora[0], lora[1][module]
-    return torch.matmul(torch.matmul(x, a[index].to(x.dtype)), b[index].to(x.dtype))
-
-
 def with_lora(y: torch.Tensor, x: torch.Tensor, lora, parts: list[tuple[str, int]]) -> torch.Tensor:
-    """``y`` (a fused projection of ``x`` whose output concatenates ``parts`` [(module, size)]) plus
-    the adapter update of each targeted part, zeros for the others: one Add before the split, so
-    the graph's fusions (packed q/k/v for GroupQueryAttention) still see the projection's Split."""
-    deltas = [lora_delta(x, lora, m, size) for m, size in parts]
-    if all(d is None for d in deltas):
+    """``y`` [b, s, out], a (fused) projection of ``x`` [b, s, in] whose output concatenates ``parts``
+    [(module, size)], plus each adapter row's update: row r = lora_rows[j] gets, per targeted part,
+    (x[r] @ A[lora_slots[j]]) @ B[lora_slots[j]] (zeros for untargeted parts), added once before the
+    projection's split, so the graph's fusions (packed q/k/v for GroupQueryAttention) still fire.
+    ``lora``: (lora_rows, lora_slots, {module: (A stack, B stack)}) or None.
+
+    Only the adapter rows are gathered and multiplied: a step without one runs these ops on zero
+    rows, which costs next to nothing (the point of routing rows, not a per-row index into slot 0).
+    The stacks are float32, cast to x's dtype after the gather."""
+    if lora is None or not any(m in lora[2] for m, _ in parts):
         return y
-    if len(parts) == 1:
-        return y + deltas[0]
-    b, s = x.shape[:2]
-    return y + torch.cat([d if d is not None else x.new_zeros(b, s, size) for d, (_, size) in zip(deltas, parts)], -1)
+    rows, slots, stacks = lora
+    xs = x.index_select(0, rows)
+    deltas = []
+    for module, size in parts:
+        if module in stacks:
+            # index_select: one Gather of whole slots (a[slots] exports as GatherND, measured 10x slower)
+            a, b = (t.index_select(0, slots).to(x.dtype) for t in stacks[module])
+            deltas.append(torch.matmul(torch.matmul(xs, a), b))
+        else:
+            deltas.append(xs.new_zeros(*xs.shape[:2], size))
+    return y.index_add(0, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, -1))
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +155,7 @@ class Attention(nn.Module):
     def forward(self, x, rope_tables, position_ids, past_k, past_v, lookahead=None, lora=None):
         """``rope_tables``: (cos, sin, rope_layout) as graphkiln.Attention takes them, and with
         partial rotary the identity tables the op gets instead (``DecoderForExport._rope``);
-        ``lora``: (lora_index, this layer's stacks by module) or None (``lora_delta``)."""
+        ``lora``: (lora_rows, lora_slots, this layer's stacks by module) or None (``with_lora``)."""
         from graphkiln.ops import torch_op
 
         b, s, _ = x.shape
@@ -268,7 +269,7 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x, lora=None):
-        """``lora``: (lora_index, this layer's stacks by module) or None; x is [b, s, hidden] then."""
+        """``lora``: (lora_rows, lora_slots, this layer's stacks by module) or None; x is [b, s, hidden] then."""
         if not self.gated:
             h = self.act(with_lora(self.up_proj(x), x, lora, [("up_proj", self.up_proj.out_features)]))
         else:
@@ -404,7 +405,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, position_ids, state, slot_idx, seq_lens, lookahead=None, lora=None):
         """Returns the new hidden states and this layer's new state rows (a tuple). ``lora``:
-        (lora_index, {module: (A stack, B stack)}) for this layer's targeted projections, or None."""
+        (lora_rows, lora_slots, {module: (A stack, B stack)}) for this layer's targeted projections, or None."""
         new = ()
         if self.spec.mixer != "none":
             h, new = self._mix(self.input_layernorm(x), rope, position_ids, state, slot_idx, seq_lens, lookahead, lora)
@@ -555,16 +556,16 @@ class DecoderForExport(nn.Module):
         seq_lens = slot_idx = None
         if self.has_conv:
             seq_lens, slot_idx, rest = rest[0], rest[1], rest[2:]
-        lora_index = None
+        routing = None
         if self.cfg.lora is not None:
-            lora_index, rest = rest[0], rest[1:]
+            routing, rest = (rest[0], rest[1]), rest[2:]
         n_states = self._offset(self.cfg.num_layers)
         states, stacks = rest[:n_states], layer_stacks(self.cfg, range(self.cfg.num_layers), rest[n_states:])
         rope = {name: self._rope(name, rope_position_ids) for name in self.rope_flavors}
         new_states = []
         for i, layer in enumerate(self.model.layers):
             off = self._offset(i)
-            lora = (lora_index, stacks[i]) if stacks.get(i) else None
+            lora = (*routing, stacks[i]) if stacks.get(i) else None
             x, new = layer(x, rope, position_ids, states[off: off + self.cfg.state_arity(i)], slot_idx, seq_lens, lookahead,
                            lora)
             new_states += new

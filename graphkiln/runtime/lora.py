@@ -2,8 +2,8 @@
 
 An artifact exported with ``--lora-rank R --max-loras N`` takes, per targeted projection of each
 layer, an A stack ``[N+1, in, R]`` and a B stack ``[N+1, R, out]`` as graph inputs, plus
-``lora_index [batch]`` choosing each row's slot: row b's projection is
-``base(x) + (x @ A[idx[b]]) @ B[idx[b]]``. Slot 0 is all zeros ("no adapter"); slots 1..N hold
+``lora_rows`` / ``lora_slots`` naming the rows that use an adapter and their slots: such a row's
+projection is ``base(x) + (x @ A[slot]) @ B[slot]``. Slot 0 is all zeros ("no adapter"); slots 1..N hold
 loaded adapters. B is pre-scaled (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA) and an
 adapter of rank r < R fills the first r columns of A / rows of B, the rest zero, so padding adds
 exactly nothing.
@@ -514,7 +514,7 @@ class AdapterPool:
     the engine binds them to the graph inputs once or every step at no cost; it must not write them.
     Only the pool writes, and only rows of a slot that no request can route to at that moment (a
     slot being loaded or unloaded), so a step running concurrently reads consistent rows for every
-    slot its ``lora_index`` names. Slot 0 is zeros forever ("no adapter").
+    slot its ``lora_slots`` name. Slot 0 is zeros forever ("no adapter").
 
     Slot life: ``load`` claims a free slot, or evicts the least recently used adapter that no
     request holds, writes the adapter into it (every target: untouched ones zeroed) and then makes

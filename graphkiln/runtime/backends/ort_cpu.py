@@ -190,7 +190,7 @@ class DecoderGraph:
     def bind_adapters(self, arrays) -> None:
         """Feed the LoRA stack inputs from ``arrays`` ({(layer, module): (A, B)}, the engine's
         ``runtime.lora.AdapterPool.arrays``), which the caller keeps alive and never reallocates
-        for this object's life; rows of ``lora_index`` pick their slot. Until then a graph with
+        for this object's life; ``lora_rows`` / ``lora_slots`` pick the rows and their slots. Until then a graph with
         LoRA inputs cannot run."""
         import onnxruntime as ort
 
@@ -238,9 +238,9 @@ class DecoderGraph:
             given[role] = (extra or {}).get(role)
             if given[role] is None:
                 given[role] = pack((role,), [None] * n, position_ids[:, 0], seq)[role]
-        if "lora_index" in self.names:  # each row's adapter slot (0: none)
-            index = (extra or {}).get("lora_index")
-            given["lora_index"] = np.zeros(n, np.int64) if index is None else index
+        if "lora_rows" in self.names:  # the rows with an adapter and their slots; none given: no row has one
+            for role in ("lora_rows", "lora_slots"):
+                given[role] = (extra or {}).get(role, _NO_ROWS)
             if len(self._lora_feeds) != len(self.lora_stacks):
                 raise RuntimeError("a LoRA graph run before bind_adapters")
         session = self._session_for(n * seq)
@@ -352,6 +352,7 @@ class DecoderGraph:
         return bound
 
 
+_NO_ROWS = np.zeros(0, np.int64)
 _KEPT_BINDINGS = 6  # decode and prefill ranges, on either session
 
 

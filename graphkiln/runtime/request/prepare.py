@@ -67,7 +67,7 @@ class Preparer:
         self.backend, self.device = backend, device  # named in refusals
         self.runner = runner
         self.layout_roles = needed_roles({t.role for t in runner.spec.inputs})
-        # the engine's LoRA slots (runtime.lora.AdapterPool) when the graph takes lora_index
+        # the engine's LoRA slots (runtime.lora.AdapterPool) when the graph takes LoRA inputs
         self.adapters = None
 
     # -- prompts --------------------------------------------------------------------------
@@ -227,7 +227,9 @@ class Preparer:
         extra = pack(self.layout_roles, [r.layout for r in reqs], starts, seq) if self.layout_roles else None
         if self.adapters is not None:
             extra = extra or {}
-            extra["lora_index"] = np.array([r.adapter_slot or 0 for r in reqs], np.int64)
+            slots = np.array([r.adapter_slot or 0 for r in reqs], np.int64)
+            extra["lora_rows"] = np.flatnonzero(slots).astype(np.int64)
+            extra["lora_slots"] = slots[extra["lora_rows"]]
         return extra
 
     # -- settings -------------------------------------------------------------------------
