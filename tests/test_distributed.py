@@ -444,3 +444,37 @@ def test_ray_timeout_must_be_a_positive_number(staged, capsys):
         code, _, err = run_cli(capsys, "run", art, "--prompt-ids", "5,6", "--distributed", "ray",
                                "--ray-address", "auto", "--ray-timeout", value)
         assert_one_error(code, err, "--ray-timeout", alone=True)
+
+
+@needs_ray
+def test_stage_actors_hold_their_layers_lora_stacks(cluster, lora_case, tmp_path):
+    """Each stage actor binds its own layers' adapter stacks, filled from the driver's slots as adapters
+    load; a restarted actor gets every loaded slot again."""
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    from conftest import MAX_SEQ_LEN
+
+    art = tmp_path / "lora-staged"
+    export_model(str(lora_case.checkpoint), art, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, stages=2,
+                                                                lora_rank=8, max_loras=2))
+    local, dist = Engine.load(art), Engine.load(art, threads=1, distributed="ray")
+    try:
+        for engine in (local, dist):
+            for name, path in lora_case.adapters.items():
+                engine.load_adapter(name, path)
+        prompt = [5, 9, 3, 7, 11]
+        want = {n: local.generate(prompt, _greedy(12, adapter=n))[0].token_ids for n in ("alpha", "beta", None)}
+        assert len(set(map(tuple, want.values()))) == 3  # the adapters change the tokens
+        for n, tokens in want.items():
+            assert dist.generate(prompt, _greedy(12, adapter=n))[0].token_ids == tokens, n
+        pipeline = dist.decoder.pipeline
+        pid = pipeline.call("info")[1]["pid"]
+        cluster.kill(pipeline.actors[1], no_restart=False)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(GraphkilnError):  # the first call meets the restart
+            dist.generate(prompt, _greedy(4, adapter="beta"))
+        assert dist.generate(prompt, _greedy(12, adapter="beta"))[0].token_ids == want["beta"]
+    finally:
+        dist.decoder.close()

@@ -381,7 +381,7 @@ def _adapter_pool(manifest: Manifest, runner):
     targets = [LoraTarget(layer, module, s["lora_a"][1], s["lora_b"][2]) for (layer, module), s in sorted(shapes.items())]
     pool = AdapterPool(targets, manifest.lora.rank, manifest.lora.max_loras, num_layers=manifest.model.num_layers,
                        module_paths=manifest.lora.module_paths or None)
-    runner.bind_adapters(pool.arrays)
+    runner.bind_adapters(pool)
     return pool
 
 

@@ -550,6 +550,7 @@ class AdapterPool:
         self._lock = threading.Lock()
         self._clock = 0
         self.version = 0
+        self._listeners: list = []  # called with a slot index once its rows are written (add_listener)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -644,6 +645,12 @@ class AdapterPool:
         self._slots[index].name = None  # evicted: no longer routable by name from here on
         return index
 
+    def add_listener(self, written) -> None:
+        """Call ``written(slot)`` each time a slot's rows have been written (load, unload), before the
+        slot becomes routable: a runner that keeps its own copies of the stacks (a Ray stage actor)
+        copies the slot's rows there. An exception from it fails the load like a failed write."""
+        self._listeners.append(written)
+
     def _write(self, index: int, adapter) -> None:
         # In place, this slot's rows only: other slots' rows are being read by running steps.
         for key, (a_stack, b_stack) in self._arrays.items():
@@ -651,6 +658,8 @@ class AdapterPool:
                 a_stack[index], b_stack[index] = adapter[key]
             else:
                 a_stack[index], b_stack[index] = 0, 0
+        for written in self._listeners:
+            written(index)
 
     # -- unloading ----------------------------------------------------------------------------
 

@@ -46,11 +46,10 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
     (``graphkiln.batched_int8``; onnxruntime on the CPU, quantized single-graph artifacts)."""
     if batched_int8:
         check_batched_int8(manifest, backend, device, distributed)
-    if manifest.lora is not None and (distributed is not None or (backend, device) != ("onnxruntime", "cpu")):
+    if manifest.lora is not None and (backend, device) != ("onnxruntime", "cpu"):
         # the adapter stacks are host arrays the CPU runners bind (runtime.lora); no device copy yet
-        where = "distributed=ray" if distributed is not None else f"{backend} on {device}"
-        raise GraphkilnError(f"LoRA artifacts run on onnxruntime on the CPU only for now, not {where}: load it without "
-                             f"backend/device/distributed, or re-export without --lora-rank")
+        raise GraphkilnError(f"LoRA artifacts run on onnxruntime on the CPU only for now, not {backend} on {device}: "
+                             f"load it without backend/device, or re-export without --lora-rank")
     if distributed is not None:
         from graphkiln.runtime.backends.distributed import check_distributed, import_ray, open_ray
 

@@ -173,6 +173,11 @@ class StageWorker:
             self.vision_session = cpu_session(root, vision, threads)
             self.vision_output = next(t.name for t in vision.outputs if t.role == "image_embeddings")
         self.pool = StatePool(stage.states, numpy_dtype(manifest.states[0].dtype))
+        # this stage's own copies of its layers' LoRA stacks, written by the driver's AdapterPool
+        # (write_adapter_slot) and bound once; all zeros (no adapter) until then
+        self.lora = _StageStacks(spec)
+        if self.lora.arrays:
+            self.runner.bind_adapters(self.lora)
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new process with a new id
 
     def info(self, expect: str | None = None) -> dict:
@@ -231,6 +236,14 @@ class StageWorker:
         self._check(expect)
         self.pool.load_blocks(slot, ids, snapshot)
 
+    def write_adapter_slot(self, expect: str, slot: int, rows: dict) -> None:
+        """Copy the driver's rows of LoRA slot ``slot`` ({(layer, module): (A row, B row)}) into this
+        stage's stacks. The driver sends them before the slot is routable, so no step reads them
+        half-written."""
+        self._check(expect)
+        for key, (a, b) in rows.items():
+            self.lora.arrays[key][0][slot], self.lora.arrays[key][1][slot] = a, b
+
     def run_vision(self, expect: str, feeds: dict) -> np.ndarray:
         """The vision graph over preprocessed ``feeds`` (the first stage's, ``runtime.backends.vision``)."""
         self._check(expect)
@@ -249,6 +262,19 @@ class StageWorker:
         if with_hidden:
             return tuple(np.array(a, copy=True) for a in out)
         return np.array(out, copy=True)
+
+
+class _StageStacks:
+    """A stage actor's LoRA stacks ({(layer, module): (A [slots, in, R], B [slots, R, out])}, zeros),
+    shaped by its graph's inputs; what ``DecoderGraph.bind_adapters`` reads."""
+
+    def __init__(self, spec) -> None:
+        shapes: dict = {}
+        for t in spec.inputs:
+            if t.role in ("lora_a", "lora_b"):
+                shapes.setdefault((t.layer, t.module), {})[t.role] = t.shape
+        self.arrays = {key: (np.zeros(s["lora_a"], np.float32), np.zeros(s["lora_b"], np.float32))
+                       for key, s in shapes.items()}
 
 
 def _node_id() -> str | None:
@@ -315,10 +341,22 @@ class _Pipeline:
         self.store_epoch = 0  # bumped when a restarted stage comes back with an empty store
         self.gone: str | None = None  # why the pipeline can no longer run (a stage is lost)
         self.lost: set[int] = set()  # stages gone for good (restarts exhausted, pinned node gone)
+        self.adapters = None  # the driver's runtime.lora.AdapterPool, once bound (RayStagedDecoder.bind_adapters)
         self._finalizer = weakref.finalize(self, _end, ray, list(actors), owns_cluster)
 
     def close(self) -> None:
         self._finalizer()
+
+    def adapter_rows(self, k: int, slot: int) -> dict:
+        """Stage k's rows of LoRA slot ``slot`` from the driver's AdapterPool."""
+        arrays = self.adapters.arrays
+        keys = {(t.layer, t.module) for t in self.infos[k]["spec"].inputs if t.role == "lora_a"}
+        return {key: (arrays[key][0][slot], arrays[key][1][slot]) for key in keys}
+
+    def push_adapter_slot(self, slot: int) -> None:
+        """Send every stage its rows of LoRA slot ``slot`` and wait for all of them."""
+        self.get([self.actors[k].write_adapter_slot.remote(self.expect(k), slot, self.adapter_rows(k, slot))
+                  for k in range(len(self.actors))])
 
     def stage_name(self, k: int) -> str:
         return f"stage {k} (layers {self.layers[k][0]}:{self.layers[k][1]})"
@@ -380,6 +418,9 @@ class _Pipeline:
                 if self.store_args is not None:  # its cached blocks are gone: the driver's index forgets all
                     ray.get(actor.attach_store.remote(info["incarnation"], *self.store_args))
                     self.store_epoch += 1
+                if self.adapters is not None:  # its LoRA stacks are zeros again: every slot sent anew
+                    ray.get([actor.write_adapter_slot.remote(info["incarnation"], slot, self.adapter_rows(k, slot))
+                             for slot in range(1, self.adapters.max_loras + 1)])
         if lost:
             fresh = [k for k in lost if k not in self.lost]
             self.lost.update(lost)
@@ -578,6 +619,12 @@ class RayStagedDecoder:
         self.spec = merged_spec([info["spec"] for info in pipeline.infos])
         self.has_next_token = pipeline.infos[-1]["has_next_token"]
         self.has_hidden_states = pipeline.infos[-1]["has_hidden_states"]
+
+    def bind_adapters(self, pool) -> None:
+        """Mirror the driver's LoRA slots (``runtime.lora.AdapterPool``) into the stage actors: each
+        slot written (load, unload) is sent to every stage before it becomes routable."""
+        self.pipeline.adapters = pool
+        pool.add_listener(self.pipeline.push_adapter_slot)
 
     def submit(self, pool: RayStagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
                lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,

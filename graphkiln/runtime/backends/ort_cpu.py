@@ -187,13 +187,14 @@ class DecoderGraph:
         self._state_rows = [(i, t.role, t.layer) for i, t in enumerate(spec.outputs)
                             if t.role in ("new_key", "new_value", *SLOT_STATE_ROLES.values()) and not is_pool_output(t)]
 
-    def bind_adapters(self, arrays) -> None:
-        """Feed the LoRA stack inputs from ``arrays`` ({(layer, module): (A, B)}, the engine's
-        ``runtime.lora.AdapterPool.arrays``), which the caller keeps alive and never reallocates
-        for this object's life; ``lora_rows`` / ``lora_slots`` pick the rows and their slots. Until then a graph with
+    def bind_adapters(self, pool) -> None:
+        """Feed the LoRA stack inputs from ``pool.arrays`` ({(layer, module): (A, B)}: the engine's
+        ``runtime.lora.AdapterPool``, or a stage actor's copies), which the caller keeps alive and
+        never reallocates for this object's life; ``lora_rows`` / ``lora_slots`` pick the rows and their slots. Until then a graph with
         LoRA inputs cannot run."""
         import onnxruntime as ort
 
+        arrays = pool.arrays
         self._lora_feeds = {name: arrays[key][which] for name, (key, which) in self.lora_stacks.items()}
         self._lora_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self._lora_feeds.items()}
         self._bindings.clear()

@@ -125,10 +125,10 @@ class StagedDecoder:
         self.has_next_token = runners[-1].has_next_token
         self.has_hidden_states = runners[-1].has_hidden_states
 
-    def bind_adapters(self, arrays) -> None:
+    def bind_adapters(self, pool) -> None:
         """``DecoderGraph.bind_adapters`` for every stage (each feeds its own layers' stacks)."""
         for runner in self.runners:
-            runner.bind_adapters(arrays)
+            runner.bind_adapters(pool)
 
     def run(self, pool: StagedPool, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
             lengths: np.ndarray, vision=None, extra: dict | None = None, first_slot: int = 0,
