@@ -46,11 +46,16 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
             lines.append(f"  {kind} {t.name:<{width}} {t.dtype:<9} [{', '.join(map(str, t.shape))}]")
         per_layer = sum(1 for t in g.inputs + g.outputs if t.layer not in (None, first))
         if per_layer:
-            lines.append(f"  ... and {per_layer} more per-layer state tensors (layers {_ranges(tuple(layers[1:]))})")
+            lines.append(f"  ... and {per_layer} more per-layer state and LoRA tensors (layers {_ranges(tuple(layers[1:]))})")
     for i, st in enumerate(m.stages):
         lines.append(f"stage        {i}: graph {st.graph}, layers {st.layers[0]}..{st.layers[1] - 1}, "
                      f"{len(st.states)} state pool(s), files {', '.join(st.files)}"
                      + ("; its own copy of the tied head" if st.tied_head else ""))
+    if m.lora is not None:
+        stacks = sum(t.role == "lora_a" for t in m.graphs[0].inputs) if not m.stages else None
+        lines.append(f"lora         adapters of rank <= {m.lora.rank} on {', '.join(m.lora.modules)}, {m.lora.max_loras} "
+                     f"slots loaded at once" + (f" ({stacks} projections)" if stacks else "")
+                     + "; run --lora DIR, serve --lora NAME=DIR, GenerationConfig(adapter=)")
     if m.vision is not None:
         lines.extend(_vision_lines(m))
     for s in m.states:

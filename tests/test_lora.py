@@ -207,3 +207,37 @@ def test_refusals(lora_case, llama_case, tiny, tmp_path):
     engine = Engine.load(lora_case.artifact)
     with pytest.raises(GraphkilnError, match="no LoRA adapter named 'nope' is loaded"):
         engine.generate([5, 6], GenerationConfig(adapter="nope"))
+
+
+def _mutate(manifest, change) -> str:
+    import json
+
+    d = json.loads(manifest.to_json())
+    change(d)
+    return json.dumps(d)
+
+
+def _stack(d, role="lora_a"):
+    return next(t for t in d["graphs"][0]["inputs"] if t["role"] == role)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.update(lora=None), "LoRA input, but the manifest has no lora record"),
+    (lambda d: _stack(d).update(shape=[9, 64, 8]), "float32 with 3 slots and rank 8"),
+    (lambda d: _stack(d).update(dtype="float16"), "float32 with 3 slots"),
+    (lambda d: _stack(d).update(module=None), "module is missing"),
+    (lambda d: _stack(d).update(module="lm_head"), "module"),
+    (lambda d: _stack(d).update(layer=99), "not a layer of this"),
+    (lambda d: d["graphs"][0]["inputs"].remove(_stack(d, "lora_b")), "but not its lora_b"),
+    (lambda d: d["graphs"][0]["inputs"].remove(_stack(d, "lora_rows")), "not both lora_rows and lora_slots"),
+    (lambda d: d["lora"]["module_paths"].update(q_proj="model.layers.0.self_attn.q_proj"), "holding {layer} once"),
+    (lambda d: d["lora"]["module_paths"].update(q_proj="../{layer}/x"), "holding {layer} once"),
+    (lambda d: d["lora"]["module_paths"].pop("q_proj"), "lacks q_proj"),
+    (lambda d: d["lora"].update(rank=0), "rank"),
+])
+def test_hostile_lora_manifest_is_one_line(lora_case, change, needle):
+    from graphkiln.manifest import Manifest
+
+    with pytest.raises(GraphkilnError, match="manifest.json") as err:
+        Manifest.from_json(_mutate(lora_case.manifest, change))
+    assert needle in str(err.value) and "\n" not in str(err.value)
