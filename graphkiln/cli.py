@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -24,7 +25,8 @@ def _export(args) -> int:
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
         quant_symmetric=args.quant_scheme == "sym", quant_method=args.quant_method, stages=args.stages, stage_layers=args.stage_layers,
-        return_hidden_states=args.return_hidden_states))
+        return_hidden_states=args.return_hidden_states, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+        max_loras=args.max_loras))
     return 0
 
 
@@ -121,6 +123,18 @@ def _stop_string(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("needs a non-empty string (an empty stop string would stop after the first token)")
     return text
+
+
+def _lora_pair(text: str) -> tuple[str, str]:
+    """argparse type of serve's --lora: NAME=DIR, both non-empty (NAME is what clients send as model)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"'{text}' is not NAME=DIR: give the name clients send as 'model', '=', "
+                                         "then the PEFT adapter directory, e.g. --lora sql=./adapters/sql")
+    if name != name.strip() or not name.isprintable() or len(name) > 256:
+        raise argparse.ArgumentTypeError(f"the adapter name {name!r} is not usable: give 1-256 printable "
+                                         "characters, without surrounding spaces")
+    return name, path
 
 
 def _sha256_hex(text: str) -> str:
@@ -263,13 +277,18 @@ def _run(args) -> int:
         raise GraphkilnError(f"--image goes with one prompt (every --image belongs to it), but {len(prompts)} prompts "
                              "were given: run each prompt with its images separately")
     images = [list(args.image)] if args.image else None
+    adapter = _lora_dir(args.lora)  # checked before the (long) load
     engine = _load_engine(args)
+    if adapter is not None:
+        engine.load_adapter(*adapter)  # an artifact without LoRA inputs: one line naming --lora-rank
     if args.chat:  # each prompt one user message of its own conversation, rendered to ids (see graphkiln.chat)
         from graphkiln.chat import Conversation, load_template
 
         template = load_template(engine)
         prompts = [template.encode(Conversation(args.system).messages(text)) for text in prompts]
     config = _generation_config(args, logprobs=args.logprobs)
+    if adapter is not None:
+        config = dataclasses.replace(config, adapter=adapter[0])
     show_ids = engine.tokenizer is None or args.show_ids
     if args.stream:
         last = None
@@ -288,6 +307,22 @@ def _run(args) -> int:
                 alts = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
                 print(f"  token {lp.token_id} logprob {lp.logprob:.4f}" + (f"  top: {alts}" if alts else ""))
     return 0
+
+
+def _lora_dir(text: str | None) -> tuple[str, Path] | None:
+    """run's --lora DIR as (adapter name: the directory's name, directory)."""
+    if text is None:
+        return None
+    _check_utf8("--lora", text)
+    path = Path(text)
+    if not path.is_dir():
+        raise GraphkilnError(f"--lora {text}: {'not a directory' if path.exists() else 'no such directory'}: give a "
+                             "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    name = path.resolve().name
+    if not name:
+        raise GraphkilnError(f"--lora {text}: the adapter is named after its directory, and this one has no name: "
+                             "give the adapter's own directory")
+    return name, path
 
 
 def _chat(args) -> int:
@@ -360,7 +395,18 @@ def _serve(args) -> int:
         artifact=args.artifact, host=args.host, port=args.port, api_key=key, model_name=args.model_name,
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
-        distributed=_distributed(args), log_level=args.log_level, **_prefix_kwargs(args)))
+        distributed=_distributed(args), log_level=args.log_level, lora=_lora_pairs(args.lora),
+        lora_updates=args.allow_lora_updates, **_prefix_kwargs(args)))
+
+
+def _lora_pairs(pairs) -> tuple[tuple[str, str], ...]:
+    """serve's --lora NAME=DIR values, each name once (checked before anything is loaded)."""
+    pairs = tuple(pairs or ())
+    for i, (name, path) in enumerate(pairs):
+        _check_utf8(f"--lora {i + 1}", f"{name}={path}")
+        if any(other == name for other, _ in pairs[:i]):
+            raise GraphkilnError(f"--lora: the name {name!r} is given twice: give each adapter its own NAME")
+    return pairs
 
 
 def _demo(args) -> int:
@@ -480,6 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--return-hidden-states", action="store_true",
                    help="the decoder graph also returns the final-norm hidden states at the logits positions "
                         "(GenerationConfig(return_hidden_states=...), Engine.embed); not with --target tensorrt")
+    e.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="serve LoRA adapters: per targeted projection, adapter stacks of rank R (the largest "
+                        "adapter rank accepted) become graph inputs, each request choosing its adapter or none")
+    e.add_argument("--lora-targets", default=None, metavar="q,k,v,o,gate,up,down",
+                   help="the projections adapters may change (default: all of these the model has)")
+    e.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="adapter slots loaded at once (default 4; least recently used replaced)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
 
@@ -503,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the artifact's chat template: each --prompt is one user message (its reply's turn "
                         "opened), as 'graphkiln chat' sends it")
     r.add_argument("--system", default=None, metavar="TEXT", help="with --chat: the system message")
+    r.add_argument("--lora", default=None, metavar="DIR",
+                   help="generate with this PEFT LoRA adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors) applied; the artifact must be exported with --lora-rank")
     _add_engine_flags(r)
     r.set_defaults(fn=_run)
 
@@ -573,6 +629,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--distributed", default=None, choices=["ray"],
                    help="run a staged artifact's stages as Ray actors (pip install 'graphkiln[distributed]')")
     _add_ray_flags(s)
+    s.add_argument("--lora", action="append", type=_lora_pair, default=None, metavar="NAME=DIR",
+                   help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; the artifact must be exported "
+                        "with --lora-rank, and holds --max-loras at once)")
+    s.add_argument("--allow-lora-updates", action="store_true",
+                   help="let clients holding the API key load and unload adapters while serving (POST "
+                        "/v1/load_lora_adapter, /v1/unload_lora_adapter: a directory on this server's file system); "
+                        "off by default, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_serve)
 

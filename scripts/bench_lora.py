@@ -2,8 +2,8 @@
 """Multi-LoRA cost on the real checkpoint (SmolLM2-135M-Instruct, scripts/real_checkpoint.py), in process.
 
 1. No adapter active: decode tok/s (batch 1 and batch 4, greedy) of an artifact exported with
-   ``--lora-rank R`` (every projection, ``--max-loras 4``) beside the same checkpoint exported
-   without LoRA, fp32 and int4, runs interleaved so both see the same machine state.
+   ``--lora-rank R --max-loras 4`` (every projection; and q, v only) beside the same checkpoint
+   exported without LoRA, fp32 and int4, runs interleaved so both see the same machine state.
 2. Mixed adapters: 4 requests, each on its own adapter, through one continuous-batching Scheduler
    (all admitted at the first step, so every step mixes 4 adapters), beside the same 4 requests all
    on one adapter: aggregate generated tokens/s.
@@ -48,12 +48,12 @@ def adapters(ckpt: Path, work: Path, rank: int, n: int) -> dict[str, Path]:
     return out
 
 
-def export(ckpt: Path, art: Path, quant: str | None, rank: int | None) -> Path:
+def export(ckpt: Path, art: Path, quant: str | None, rank: int | None, targets: str | None = None) -> Path:
     from graphkiln.export.pipeline import ExportOptions, export_model
 
     if not (art / "manifest.json").is_file():
         export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=1024, quant=quant, lora_rank=rank,
-                                                   max_loras=4, overwrite=True))
+                                                   lora_targets=targets, max_loras=4, overwrite=True))
     return art
 
 
@@ -105,10 +105,13 @@ def main() -> int:
     print(f"SmolLM2-135M, rank {args.rank} on {', '.join(MODULES)}, --max-loras 4, {args.threads} threads, "
           f"{args.new_tokens} new tokens, median of {args.repeats}")
 
-    for quant in (None, "int4"):
+    # (quantization, --lora-targets): every projection, and PEFT's default for Llama-style models (q, v)
+    for quant, targets in ((None, None), (None, "q,v"), ("int4", None)):
         tag = quant or "fp32"
         plain = Engine.load(export(ckpt, args.work / f"plain-{tag}", quant, None), threads=args.threads)
-        lora = Engine.load(export(ckpt, args.work / f"lora{args.rank}-{tag}", quant, args.rank), threads=args.threads)
+        name = f"lora{args.rank}-{tag}" + (f"-{targets.replace(',', '')}" if targets else "")
+        lora = Engine.load(export(ckpt, args.work / name, quant, args.rank, targets), threads=args.threads)
+        tag += f", targets {targets or 'all'}"
         for batch in (1, 4):
             rates = {"plain": [], "lora": []}
             for engine in (plain, lora):
@@ -119,7 +122,7 @@ def main() -> int:
             p, q = statistics.median(rates["plain"]), statistics.median(rates["lora"])
             print(f"{tag} batch {batch}: no adapter active: plain {p:.1f} tok/s, LoRA-capable {q:.1f} tok/s "
                   f"({q / p:.3f}x)")
-        if quant is None:
+        if quant is None and targets is None:
             t_load = []
             for i in range(args.repeats + 1):
                 t = time.perf_counter()

@@ -79,16 +79,18 @@ class Running:
 
 @contextmanager
 def serving(artifact, *, key=None, max_queue=32, max_batch=8, step_tokens=64, drain_s=10.0, prefix_cache=True,
-            **app_options):
+            lora=(), **app_options):
+    """The server as ``graphkiln serve`` runs it, in a thread; ``lora``: (name, dir) pairs as --lora gives them."""
     from graphkiln.runtime.request.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
-    from graphkiln.serve.server import bind, make_server
+    from graphkiln.serve.server import bind, load_adapters, make_server
 
     engine = Engine.load(artifact, threads=1, prefix_cache=prefix_cache)
+    adapters = load_adapters(engine, lora, MODEL)
     scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch, step_tokens=step_tokens)
     sock = bind("127.0.0.1", 0)
-    server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key, **app_options), drain_s=drain_s,
-                         log_level="warning")
+    server = make_server(scheduler, engine, AppOptions(model_name=MODEL, api_key=key, lora_adapters=adapters,
+                                                       **app_options), drain_s=drain_s, log_level="warning")
     scheduler.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -265,7 +267,6 @@ BAD = {  # name: (route, body, code, param)
     "malformed json": (_C, b'{"model": "tiny", "prompt": [1,', "invalid_json", None),
     "not an object": (_C, b"[1, 2]", "invalid_json", None),
     "unknown field": (_C, dict(_OK, max_token=3), "unknown_field", "max_token"),
-    "unknown model": (_C, dict(_OK, model="gpt-4"), "model_not_found", "model"),
     "missing prompt": (_C, {"model": MODEL}, "missing_field", "prompt"),
     "max_tokens a string": (_C, dict(_OK, max_tokens="8"), "invalid_value", "max_tokens"),
     "max_tokens negative": (_C, dict(_OK, max_tokens=-1), "invalid_value", "max_tokens"),
@@ -343,7 +344,29 @@ def test_routes_unknown_and_health(srv):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     models = srv.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # a model not served is OpenAI's 404 (model_not_found), on every route that names one
+    for path, body in ((_C, dict(_OK, model="gpt-4")), (_CHAT, dict(_MSG, model="gpt-4")),
+                       ("/tokenize", {"model": "gpt-4", "prompt": "a"})):
+        r = srv.post(path, body)
+        assert r.status_code == 404, (path, r.text)
+        assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": "model",
+                                                       "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
+        srv.client().completions.create(model="gpt-4", prompt="a", max_tokens=1)
     srv.wait_idle()  # refusals hold nothing
+
+
+def test_artifact_without_lora_refuses_adapters(srv, artifact, capsys, tmp_path):
+    """An artifact exported without --lora-rank: vLLM's adapter routes are a 400 naming the fix
+    (tests/test_serve_lora.py has them on an artifact with LoRA), and so is run --lora."""
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path)}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        r = srv.post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "lora_not_supported", r.text
+        assert "--lora-rank" in r.json()["error"]["message"]
+    assert [m.id for m in srv.client().models.list().data] == [MODEL]
+    code, out, err = run_cli(capsys, "run", artifact, "--lora", tmp_path, "--prompt-ids", "1,2", "--threads", 1)
+    assert_one_error(code, err, "--lora-rank")
 
 
 def test_auth_and_queue_full(artifact, tok_case):
@@ -647,7 +670,6 @@ def test_tokenize_and_detokenize_agree_with_the_engine(srv, reference, special):
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
-    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
     ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),

@@ -44,6 +44,11 @@ def test_document_describes_the_bodies_and_needs_the_key(keyed):
         op = doc["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
         assert {"200", "400", "401"} <= set(op["responses"]) and op["security"] == [{"bearer": []}]
+    for path, body in (("/v1/load_lora_adapter", "LoadLoraAdapterRequest"),
+                       ("/v1/unload_lora_adapter", "UnloadLoraAdapterRequest")):  # vLLM's LoRA routes
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
+        assert set(op["responses"]["200"]["content"]) == {"text/plain"} and op["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     # the request schemas are the ones the routes parse: one they refuse is refused by the route

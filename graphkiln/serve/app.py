@@ -1,11 +1,13 @@
 """The FastAPI app: OpenAI-compatible routes over a running ``Scheduler``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
-events or not), ``GET /v1/models``, ``GET /health`` (never needs the API key; 503 while draining),
-``GET /metrics`` (Prometheus text), ``GET /openapi.json`` (below). Every error is OpenAI's body
+events or not), ``GET /v1/models``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+(vLLM's), ``GET /health`` (never needs the API key; 503 while draining), ``GET /metrics``
+(Prometheus text), ``GET /openapi.json`` (below). Every error is OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` with one line of message: 400 for anything
-the request got wrong (malformed JSON, unknown field or model, ill-typed or out-of-range value,
-prompt too long: code ``context_length_exceeded``), 401 without the API key, 413 for a body over
+the request got wrong (malformed JSON, unknown field, ill-typed or out-of-range value,
+prompt too long: code ``context_length_exceeded``), 404 for a ``model`` not served (code
+``model_not_found``), 401 without the API key, 413 for a body over
 ``max_body_bytes``, 429 with ``Retry-After`` when the scheduler's queue is full (``queue_full``) or
 the big-body lane is (``server_busy``), 503 while shutting down, 500 when generation itself failed
 (that request only: the others keep running).
@@ -30,8 +32,14 @@ request that reached its stop or length first finishes with that reason, never "
 client that hung up sees nothing; the Python API's ``TokenEvent`` keeps "cancelled", and so does
 the ``graphkiln_requests_finished_total{reason}`` metric.
 
+LoRA adapters (an artifact exported with ``--lora-rank``): a request's ``model`` is the base
+model's name or a loaded adapter's, which becomes ``GenerationConfig(adapter=...)``; the engine's
+``adapter_names()`` is what is served. Loads and unloads through the routes run in a worker
+thread, one at a time, and never evict a served adapter (all slots taken: 409); unloading one that
+running requests use is a 409 too.
+
 ``GET /openapi.json`` is FastAPI's OpenAPI document of these routes, with the request bodies as
-the routes parse them (strict, no unknown fields, the served model name as the only ``model``)
+the routes parse them (strict, no unknown fields, the served names as the only ``model`` values)
 and every response, errors included. With an API key it needs the key like every route but
 ``/health``: it describes this deployment (the model's name) and the key keeps that private.
 """
@@ -44,6 +52,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 import typing
 import uuid
@@ -67,6 +76,7 @@ from graphkiln.serve.metrics import ServerMetrics
 log = logging.getLogger("graphkiln.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+ADAPTER_BODY_BYTES = 64 << 10  # a load/unload body is a name and a path
 RETRY_AFTER_S = 1  # a full queue drains in about one request's time; clients back off from there
 
 
@@ -76,6 +86,12 @@ class AppOptions:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     big_lane_bytes: int = DEFAULT_BIG_LANE_BYTES  # bodies over 64 KiB being prepared at once (admission)
+    # LoRA adapters already loaded into the engine at startup, (name, path as given): their
+    # /v1/models root (server.load_adapters loads them)
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    # the load/unload routes read a directory on this machine that the client names: open only when
+    # the operator says so (serve --allow-lora-updates), as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    lora_updates: bool = False
 
 
 class ApiError(Exception):
@@ -105,6 +121,87 @@ class ServerState:
         self.lanes = Lanes(options.big_lane_bytes)
         self.created = int(time.time())
         self.draining = False
+        self.lora = engine.manifest.lora  # LoraSpec, or None: exported without LoRA
+        # adapter name -> (path as given, when loaded): /v1/models' root and created. The engine's
+        # adapter_names() is what is served; loads and unloads through the routes are serialized
+        # by _adapters_lock (the slot check and the load are one step, so a load never evicts)
+        self._adapter_info = {name: (path, self.created) for name, path in options.lora_adapters}
+        self._adapters_lock = threading.Lock()
+
+    # -- models and LoRA adapters ----------------------------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        return list(self.engine.adapter_names()) if self.lora is not None else []
+
+    def model_names(self) -> tuple[str, ...]:
+        """Every model id a request may name: the base model's, then the loaded adapters'."""
+        return (self.options.model_name, *self.adapter_names())
+
+    def model_cards(self) -> list[S.ModelCard]:
+        base = self.options.model_name
+        cards = [S.ModelCard(id=base, created=self.created, root=base, max_model_len=self.engine.max_seq_len)]
+        for name in self.adapter_names():
+            root, created = self._adapter_info.get(name, (None, self.created))
+            cards.append(S.ModelCard(id=name, created=created, root=root, parent=base,
+                                     max_model_len=self.engine.max_seq_len))
+        return cards
+
+    def resolve_model(self, name: str) -> str | None:
+        """The adapter a request's ``model`` selects (None: the base model); any other name is a 404."""
+        if name == self.options.model_name:
+            return None
+        if name in self.adapter_names():
+            return name
+        raise _unknown_model(name, self.options.model_name, self.lora is not None)
+
+    def needs_lora(self) -> None:
+        if self.lora is None:
+            raise ApiError(400, "this artifact was exported without LoRA support, so it serves no adapters: re-export "
+                                "it with --lora-rank R (and --max-loras N) to load them", code="lora_not_supported")
+        if not self.options.lora_updates:
+            raise ApiError(403, "loading and unloading LoRA adapters while serving is off on this server: start it "
+                                "with --allow-lora-updates (or serve adapters with --lora NAME=DIR)",
+                           "permission_error", code="lora_updates_disabled")
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """In a worker thread: ``Engine.load_adapter`` with its refusals as ApiErrors. Never evicts
+        a served adapter: with every slot holding one, a 409 (unload one first)."""
+        self.needs_lora()
+        if name == self.options.model_name:
+            raise ApiError(400, f"lora_name '{_clip(name, 80)}' is the base model's name: choose another",
+                           param="lora_name", code="invalid_lora_name")
+        with self._adapters_lock:
+            loaded = self.adapter_names()
+            if name in loaded:
+                raise ApiError(400, f"a LoRA adapter named '{_clip(name, 80)}' is already loaded: unload it first "
+                                    "(POST /v1/unload_lora_adapter) or choose another name", param="lora_name",
+                               code="lora_adapter_exists")
+            if len(loaded) >= self.lora.max_loras:
+                raise ApiError(409, f"all {self.lora.max_loras} LoRA slots hold adapters "
+                                    f"({', '.join(map(repr, loaded))}): unload one first (POST "
+                                    "/v1/unload_lora_adapter), or re-export with a larger --max-loras",
+                               "invalid_request_error", code="lora_slots_full")
+            try:
+                self.engine.load_adapter(name, path)
+            except GraphkilnError as exc:
+                raise ApiError(400, str(exc), param="lora_path", code="invalid_lora_adapter") from None
+            now = self.adapter_names()
+            self._adapter_info = {k: v for k, v in self._adapter_info.items() if k in now}
+            self._adapter_info[name] = (path, int(time.time()))
+
+    def unload_adapter(self, name: str) -> None:
+        """In a worker thread: ``Engine.unload_adapter``; unknown name 404, in use 409."""
+        self.needs_lora()
+        with self._adapters_lock:
+            if name not in self.adapter_names():
+                raise _unknown_adapter(name, self.adapter_names())
+            try:
+                self.engine.unload_adapter(name)
+            except GraphkilnError as exc:
+                if name not in self.adapter_names():  # unloaded meanwhile, not through the routes
+                    raise _unknown_adapter(name, self.adapter_names()) from None
+                raise ApiError(409, str(exc), param="lora_name", code="lora_adapter_in_use") from None
+            self._adapter_info.pop(name, None)
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that provably has more tokens than the artifact takes, before tokenizing."""
@@ -131,7 +228,7 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
     app = FastAPI(title="graphkiln", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.graphkiln = state
     # served by a route of its own (below), so that it needs the API key like the others
-    app.openapi = lambda: app.openapi_schema or _cache_openapi(app, options)
+    app.openapi = lambda: _cache_openapi(app, state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -172,8 +269,23 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
 
     @api.get("/v1/models", responses=R.RESPONSES["models"])
     async def models():
-        card = S.ModelCard(id=options.model_name, created=state.created, max_model_len=engine.max_seq_len)
-        return S.ModelList(data=[card]).model_dump()
+        return S.ModelList(data=state.model_cards()).model_dump()
+
+    # vLLM's adapter routes (vllm serve --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING): the body
+    # is parsed on the loop (at most ADAPTER_BODY_BYTES), the adapter is read in a worker thread
+    @api.post("/v1/load_lora_adapter", **R.adapter_route("load"))
+    async def load_lora_adapter(request: Request):
+        _check_open(state)
+        req = _parse(S.LoadLoraAdapterRequest, await _read_body(request, ADAPTER_BODY_BYTES))
+        await asyncio.to_thread(state.load_adapter, req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter", **R.adapter_route("unload"))
+    async def unload_lora_adapter(request: Request):
+        _check_open(state)
+        req = _parse(S.UnloadLoraAdapterRequest, await _read_body(request, ADAPTER_BODY_BYTES))
+        await asyncio.to_thread(state.unload_adapter, req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @api.post("/v1/completions", **R.generation_route(S.Completion, S.Completion))
     async def completions(request: Request):
@@ -181,7 +293,7 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
         _check_open(state)
         body = await _read_body(request, options.max_body_bytes)
         req, group = await _in_lane(state, len(body), _prepare_completion, state, body)
-        shapes = [_CompletionShape(req, options.model_name, engine, p) for p in req.prompts]
+        shapes = [_CompletionShape(req, req.model, engine, p) for p in req.prompts]  # model: checked
         return await _respond(request, state, group, arrived, shapes)
 
     @api.post("/v1/chat/completions", **R.generation_route(S.ChatCompletion, S.ChatCompletionChunk))
@@ -190,7 +302,7 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
         _check_open(state)
         body = await _read_body(request, options.max_body_bytes)
         req, group = await _in_lane(state, len(body), _prepare_chat, state, body)
-        return await _respond(request, state, group, arrived, [_ChatShape(req, options.model_name, engine)])
+        return await _respond(request, state, group, arrived, [_ChatShape(req, req.model, engine)])
 
     # vLLM's tokenizer routes, at the root as there: lm-evaluation-harness's remote tokenizer
     # (tokenizer_backend=remote) reads /tokenizer_info, then posts to /tokenize and /detokenize
@@ -218,8 +330,12 @@ def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
     return app
 
 
-def _cache_openapi(app: FastAPI, options: AppOptions) -> dict:
-    app.openapi_schema = R.openapi_document(app, options.model_name, options.api_key is not None)
+def _cache_openapi(app: FastAPI, state: ServerState) -> dict:
+    """The OpenAPI document, rebuilt when the served models (loaded adapters) have changed."""
+    names = state.model_names()
+    if app.openapi_schema is None or app.state.openapi_models != names:
+        app.openapi_schema = R.openapi_document(app, names, state.options.api_key is not None)
+        app.state.openapi_models = names
     return app.openapi_schema
 
 
@@ -263,8 +379,8 @@ def _prepare_completion(state: ServerState, body: bytes):
     """In a lane worker: the parsed request and its choices' scheduler handles. Every prompt is
     checked before any is submitted; a refusal of a later one (queue full) cancels the earlier."""
     req = _parse(S.CompletionRequest, body)
-    _check_model(req.model, state.options.model_name)
-    config = _config(req, req.max_tokens, req.logprobs)
+    adapter = state.resolve_model(req.model)
+    config = _config(req, req.max_tokens, req.logprobs, adapter)
     if req.echo and req.logprobs is not None:  # the prompt's own, from the prefill that runs it
         config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
     ready = []
@@ -288,10 +404,10 @@ def _prepare_completion(state: ServerState, body: bytes):
 
 def _prepare_chat(state: ServerState, body: bytes):
     req = _parse(S.ChatCompletionRequest, body)
-    _check_model(req.model, state.options.model_name)
+    adapter = state.resolve_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter)
     try:
         text = state.chat.render([m.for_template() for m in req.messages])
     except ChatTemplateError as exc:
@@ -324,7 +440,7 @@ def _tokenize(state: ServerState, body: bytes) -> S.TokenizeResponse:
     """In a lane worker (a long text is tokenized there, as a prompt would be)."""
     req = _parse(S.TokenizeRequest, body)
     if req.model is not None:
-        _check_model(req.model, state.options.model_name)
+        state.resolve_model(req.model)  # every served model has the artifact's tokenizer
     _needs_tokenizer(state)
     ids = state.encode(req.prompt, special=req.add_special_tokens)
     return S.TokenizeResponse(count=len(ids), max_model_len=state.engine.max_seq_len, tokens=ids)
@@ -333,7 +449,7 @@ def _tokenize(state: ServerState, body: bytes) -> S.TokenizeResponse:
 def _detokenize(state: ServerState, body: bytes) -> S.DetokenizeResponse:
     req = _parse(S.DetokenizeRequest, body)
     if req.model is not None:
-        _check_model(req.model, state.options.model_name)
+        state.resolve_model(req.model)  # every served model has the artifact's tokenizer
     _needs_tokenizer(state)
     vocab = state.engine.manifest.model.vocab_size
     bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
@@ -417,16 +533,25 @@ def _clip(text: str, n: int = 200) -> str:
     return " ".join(str(text).split())[:n]
 
 
-def _check_model(name: str, served: str) -> None:
-    if name != served:
-        raise ApiError(400, f"model '{_clip(name, 80)}' is not served here: use '{served}' (GET /v1/models)",
-                       param="model", code="model_not_found")
+def _unknown_model(name: str, served: str, lora: bool) -> ApiError:
+    """OpenAI's (and vLLM's) answer to a model it does not serve: 404, code model_not_found."""
+    also = " or a loaded LoRA adapter" if lora else ""
+    return ApiError(404, f"model '{_clip(name, 80)}' is not served here: use '{served}'{also} (GET /v1/models)",
+                    param="model", code="model_not_found")
 
 
-def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None) -> GenerationConfig:
+def _unknown_adapter(name: str, loaded: list[str]) -> ApiError:
+    return ApiError(404, f"no LoRA adapter named '{_clip(name, 80)}' is loaded (loaded: "
+                         f"{', '.join(map(repr, loaded)) or 'none'}; GET /v1/models)", param="lora_name",
+                    code="lora_adapter_not_found")
+
+
+def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None,
+            adapter: str | None = None) -> GenerationConfig:
     """OpenAI's parameters as a GenerationConfig. Temperature 0 is greedy; any sampling field asks
     for sampling; none leaves the artifact's defaults. Without a seed each request gets a random
-    one (OpenAI's behaviour: unseeded requests differ)."""
+    one (OpenAI's behaviour: unseeded requests differ). ``adapter``: the LoRA adapter the request's
+    ``model`` named (None: the base model)."""
     sampling = (req.temperature is not None and req.temperature > 0) or (
         req.temperature is None and (req.top_p is not None or req.top_k is not None))
     try:
@@ -434,7 +559,8 @@ def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None) -> G
             max_new_tokens=max_tokens, do_sample=True if sampling else (False if req.temperature == 0 else None),
             temperature=req.temperature if sampling else None, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed if req.seed is not None else secrets.randbits(63), stop_strings=req.stop_strings,
-            logprobs=logprobs, stop_token_ids=() if req.ignore_eos else None)
+            logprobs=logprobs, stop_token_ids=() if req.ignore_eos else None,
+            adapter=adapter)
     except GraphkilnError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -453,6 +579,9 @@ def _submit(state: ServerState, prompt, config: GenerationConfig, param: str):
         raise ApiError(503, "the server is shutting down: retry on another instance", "server_error",
                        code="shutting_down") from None
     except GraphkilnError as exc:  # ids outside the vocabulary, no tokenizer for a text prompt, ...
+        adapter = config.adapter
+        if adapter is not None and adapter not in state.adapter_names():  # unloaded since the model was checked
+            raise _unknown_model(adapter, state.options.model_name, True) from None
         raise ApiError(400, str(exc), param=param) from None
 
 
@@ -501,6 +630,10 @@ async def _whole(state, group: _Group, arrived, shapes: list["_Shape"], watcher)
     try:
         per_choice = await asyncio.gather(*(collect(h) for h in group.handles))
     except GraphkilnError as exc:
+        model = shapes[0].model
+        if model != state.options.model_name and model not in state.adapter_names():
+            # its LoRA adapter was unloaded while the request waited for a slot: as if never served
+            raise ApiError(404, f"{exc}", param="model", code="model_not_found") from None
         raise ApiError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
     finally:
         watcher.cancel()

@@ -2,9 +2,10 @@
 
 The generation routes read their bodies themselves (size limit, strict parsing in a worker lane,
 errors in OpenAI's shape), so FastAPI sees no body parameter: ``openapi_document`` adds the request
-schemas (``schemas.CompletionRequest``, ``schemas.ChatCompletionRequest``) as the routes parse them,
-narrows ``model`` to the served name (any other is a 400), and declares the API key's bearer scheme
-when one is set (every operation but ``/health``; without a key, no 401 is documented). Responses,
+schemas (``schemas.CompletionRequest``, ``schemas.ChatCompletionRequest``, the tokenizer and LoRA
+adapter routes') as the routes parse them, narrows ``model`` to the served names (the base model and
+the LoRA adapters loaded when the document is asked for; any other is a 404), and declares the API
+key's bearer scheme when one is set (every operation but ``/health``; without a key, no 401 is documented). Responses,
 errors included, are declared on the routes with ``generation_route`` and ``RESPONSES``.
 """
 
@@ -30,9 +31,10 @@ def generation_route(body: type, chunk: type) -> dict[str, Any]:
         200: {"model": body, "description": f"the completion; with stream: true, server-sent events, each `data: <JSON "
                                             f"{chunk.__name__}>`, then `data: [DONE]`",
               "content": {"text/event-stream": {"schema": event}}},
-        400: {**_ERROR, "description": "malformed JSON, unknown field or model, ill-typed or out-of-range value, "
+        400: {**_ERROR, "description": "malformed JSON, unknown field, ill-typed or out-of-range value, "
                                        "prompt too long"},
         **AUTH,
+        404: {**_ERROR, "description": "model not served here (neither the base model nor a loaded LoRA adapter)"},
         413: {**_ERROR, "description": "body over the server's size limit"},
         429: {**_ERROR, "headers": _RETRY, "description": "queue full, or too many large bodies being prepared"},
         500: {**_ERROR, "description": "generation failed (this request only)"},
@@ -44,11 +46,38 @@ def tokenizer_route(body: type) -> dict[str, Any]:
     """FastAPI route arguments for /tokenize and /detokenize (whole JSON responses)."""
     return dict(responses={
         200: {"model": body, "description": body.__doc__ or body.__name__},
-        400: {**_ERROR, "description": "malformed JSON, unknown field or model, ill-typed value, token id outside "
+        400: {**_ERROR, "description": "malformed JSON, unknown field, ill-typed value, token id outside "
                                        "the vocabulary, or an artifact without a tokenizer"},
         **AUTH,
+        404: {**_ERROR, "description": "model not served here"},
         413: {**_ERROR, "description": "body over the server's size limit"},
         429: {**_ERROR, "headers": _RETRY, "description": "too many large bodies being prepared"},
+        503: {**_ERROR, "description": "shutting down"},
+    })
+
+
+def adapter_route(kind: str) -> dict[str, Any]:
+    """FastAPI route arguments for /v1/load_lora_adapter (``kind`` "load") and
+    /v1/unload_lora_adapter ("unload"): a short text on success, OpenAI's error body otherwise."""
+    if kind == "load":
+        ok, bad = "loaded and served under lora_name", ("malformed JSON or field, a refused adapter directory (one "
+                                                         "line: why, and the fix), a name already served, or an "
+                                                         "artifact exported without LoRA")
+        conflict = "every LoRA slot holds an adapter: unload one first"
+        missing = {}
+    else:
+        ok, bad = "unloaded", "malformed JSON or field, or an artifact exported without LoRA"
+        conflict = "the adapter is in use by running requests"
+        missing = {404: {**_ERROR, "description": "no adapter of that name is loaded"}}
+    # not response_class=PlainTextResponse: FastAPI would then describe the error bodies as text too
+    return dict(responses={
+        200: {"description": f"the adapter was {ok}", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        400: {**_ERROR, "description": bad},
+        **AUTH,
+        403: {**_ERROR, "description": "the server was started without --allow-lora-updates"},
+        **missing,
+        409: {**_ERROR, "description": conflict},
+        413: {**_ERROR, "description": "body over 64 KiB"},
         503: {**_ERROR, "description": "shutting down"},
     })
 
@@ -56,7 +85,7 @@ def tokenizer_route(body: type) -> dict[str, Any]:
 RESPONSES = {
     "tokenizer_info": {200: {"model": S.TokenizerInfo, "description": "special tokens, chat template, limits"},
                        **AUTH},
-    "models": {200: {"model": S.ModelList, "description": "the served model"}, **AUTH},
+    "models": {200: {"model": S.ModelList, "description": "the base model, then each loaded LoRA adapter"}, **AUTH},
     "metrics": {200: {"description": "Prometheus text format",
                       "content": {"text/plain": {"schema": {"type": "string"}}}}, **AUTH},
     "health": {200: {"model": S.Health, "description": "serving"},
@@ -64,7 +93,9 @@ RESPONSES = {
 }
 
 _BODIES = {"/v1/completions": S.CompletionRequest, "/v1/chat/completions": S.ChatCompletionRequest,
-           "/tokenize": S.TokenizeRequest, "/detokenize": S.DetokenizeRequest}
+           "/tokenize": S.TokenizeRequest, "/detokenize": S.DetokenizeRequest,
+           "/v1/load_lora_adapter": S.LoadLoraAdapterRequest, "/v1/unload_lora_adapter": S.UnloadLoraAdapterRequest}
+_TEXT_OK = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # 200: text/plain only
 _CHUNKS = (S.Completion, S.ChatCompletionChunk, S.ErrorBody)  # referenced by the streams' events
 
 
@@ -72,7 +103,7 @@ def _ref(model: type) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def openapi_document(app, model_name: str, api_key: bool) -> dict[str, Any]:
+def openapi_document(app, model_names: tuple[str, ...], api_key: bool) -> dict[str, Any]:
     from fastapi.openapi.utils import get_openapi
 
     from graphkiln import __version__
@@ -89,13 +120,16 @@ def openapi_document(app, model_name: str, api_key: bool) -> dict[str, Any]:
     for path, model in _BODIES.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
-        optional = "model" not in schema.get("required", ())  # the tokenizer routes: model may be left out
-        schema["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
-        if optional:
-            schema["properties"]["model"] = {"anyOf": [schema["properties"]["model"], {"type": "null"}]}
+        if "model" in schema["properties"]:
+            optional = "model" not in schema.get("required", ())  # the tokenizer routes: model may be left out
+            schema["properties"]["model"] = {"type": "string", "enum": list(model_names), "title": "Model"}
+            if optional:
+                schema["properties"]["model"] = {"anyOf": [schema["properties"]["model"], {"type": "null"}]}
         schemas[model.__name__] = schema
         doc["paths"][path]["post"]["requestBody"] = {"required": True,
                                                      "content": {"application/json": {"schema": _ref(model)}}}
+    for path in _TEXT_OK:
+        doc["paths"][path]["post"]["responses"]["200"]["content"].pop("application/json", None)
     for path, ops in doc["paths"].items():
         for op in ops.values():
             if not api_key:

@@ -253,10 +253,14 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One served model: the base model (``parent`` null) or a LoRA adapter over it (vLLM's
+    convention: ``root`` the adapter's path, ``parent`` the base model's id)."""
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "graphkiln"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 
@@ -301,6 +305,32 @@ class TokenizerInfo(BaseModel):
     chat_template: str | None
     model_max_length: int
     vocab_size: int
+
+
+# LoRA adapter names: what a request's ``model`` names, so the same bound as ``model``; paths as
+# the server's file system spells them (no NUL: no OS takes one)
+AdapterName = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's route and field names): load the PEFT adapter
+    directory ``lora_path`` (on the server's file system) and serve it as model ``lora_name``."""
+    model_config = _REQUEST
+    lora_name: AdapterName
+    lora_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+
+    @field_validator("lora_path")
+    @classmethod
+    def _no_nul(cls, v):
+        if "\x00" in v:
+            raise ValueError("a path cannot hold a NUL character")
+        return v
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``: stop serving adapter ``lora_name`` and free its slot."""
+    model_config = _REQUEST
+    lora_name: AdapterName
 
 
 class ErrorDetail(BaseModel):

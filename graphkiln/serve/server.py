@@ -1,14 +1,14 @@
 """``graphkiln serve``: load an artifact, start the scheduler, run the app on uvicorn, drain on exit.
 
-Lifecycle: ``Engine.load`` (every file's sha256 checked) -> ``Scheduler`` -> listening socket
-bound here (so an address in use or a privileged port is one error line, and port 0 works) ->
-``scheduler.start()`` -> uvicorn serves until SIGTERM / SIGINT (or ``should_exit`` when run in a
-thread, as the tests do). Shutdown (``DrainingServer.shutdown``), within ``drain_s``:
-``/health`` turns 503 and new requests on open connections get 503; the scheduler stops
-admitting and lets in-flight and queued requests run to their end, cancelling whatever is left
-at the deadline; uvicorn meanwhile closes the listener and waits for the responses (streams get
-their last chunks) with a few seconds' grace beyond the deadline, then the scheduler's thread is
-joined. A drained shutdown is a normal exit (status 0).
+Lifecycle: ``Engine.load`` (every file's sha256 checked) -> the ``--lora`` adapters loaded
+(``load_adapters``) -> ``Scheduler`` -> listening socket bound here (so an address in use or a
+privileged port is one error line, and port 0 works) -> ``scheduler.start()`` -> uvicorn serves
+until SIGTERM / SIGINT (or ``should_exit`` when run in a thread, as the tests do). Shutdown
+(``DrainingServer.shutdown``), within ``drain_s``: ``/health`` turns 503 and new requests on open
+connections get 503; the scheduler stops admitting and lets in-flight and queued requests run to
+their end, cancelling whatever is left at the deadline; uvicorn meanwhile closes the listener and
+waits for the responses (streams get their last chunks) with a few seconds' grace beyond the
+deadline, then the scheduler's thread is joined. A drained shutdown is a normal exit (status 0).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class ServeConfig:
     prefix_cache: bool = True  # --no-prefix-cache turns it off
     prefix_cache_bytes: int | None = None  # None: the runtime's default budget
     batched_int8: bool = False  # --batched-int8: quantized artifacts' batched-step graph (graphkiln.batched_int8)
+    lora: tuple[tuple[str, str], ...] = ()  # --lora NAME=DIR: (name, adapter directory), loaded at startup
+    lora_updates: bool = False  # --allow-lora-updates: the load/unload routes are open (API key still needed)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -117,23 +119,56 @@ def make_server(scheduler, engine, app_options, *, drain_s: float = 30.0, log_le
     return _uvicorn_server_class()(config, scheduler, app.state.graphkiln, drain_s)
 
 
+def check_adapter_names(adapters, served_name: str) -> None:
+    """``--lora NAME=DIR`` names: each once, none the base model's (before anything is loaded)."""
+    names = [name for name, _ in adapters]
+    for name in names:
+        if names.count(name) > 1:
+            raise GraphkilnError(f"--lora: the name {name!r} is given twice: give each adapter its own NAME")
+        if name == served_name:
+            raise GraphkilnError(f"--lora: the name {name!r} is the base model's: give the adapter another NAME, "
+                                 "or the base model another --model-name")
+
+
+def load_adapters(engine, adapters, served_name: str) -> tuple[tuple[str, str], ...]:
+    """Load each (name, directory) of ``adapters`` into ``engine`` (``--lora NAME=DIR``); every
+    refusal is one GraphkilnError line. Returns them, for ``AppOptions.lora_adapters``."""
+    adapters = tuple((str(name), str(path)) for name, path in adapters)
+    if not adapters:
+        return ()
+    check_adapter_names(adapters, served_name)
+    spec = engine.manifest.lora
+    if spec is None:
+        raise GraphkilnError("--lora: this artifact was exported without LoRA support: re-export it with "
+                             "--lora-rank R (and --max-loras N) to serve adapters")
+    if len(adapters) > spec.max_loras:  # the engine would evict the first ones to make room for the last
+        raise GraphkilnError(f"--lora: {len(adapters)} adapters, but the artifact holds at most {spec.max_loras} at "
+                             "once: serve fewer, or re-export with a larger --max-loras")
+    for name, path in adapters:
+        engine.load_adapter(name, path)
+    return adapters
+
+
 def serve(cfg: ServeConfig) -> int:
     from graphkiln.runtime import Engine
     from graphkiln.runtime.request.scheduler import Scheduler
     from graphkiln.serve.app import AppOptions
 
+    name = cfg.model_name or Path(cfg.artifact).resolve().name
+    check_adapter_names(cfg.lora, name)
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
                              prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8)
+        adapters = load_adapters(engine, cfg.lora, name)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
         sock.close()
         raise
-    name = cfg.model_name or Path(cfg.artifact).resolve().name
-    server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key), drain_s=cfg.drain_s,
-                         log_level=cfg.log_level)
+    server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key, lora_adapters=adapters,
+                                                       lora_updates=cfg.lora_updates),
+                         drain_s=cfg.drain_s, log_level=cfg.log_level)
     scheduler.start()  # sizes the slots, before they are reported
     announce(cfg, name, sock, scheduler.stats().total_slots)
     try:
@@ -153,8 +188,9 @@ def announce(cfg: ServeConfig, name: str, sock: socket.socket, slots: int) -> No
     if cfg.api_key is None and not _is_loopback(cfg.host):
         print(f"warning: serving on {_url_host(cfg.host)} without an API key: anyone who can reach it can use it "
               "(set --api-key or GRAPHKILN_API_KEY)", file=sys.stderr)
+    adapters = f", LoRA adapters {', '.join(repr(n) for n, _ in cfg.lora)}" if cfg.lora else ""
     print(f"graphkiln serve: model '{name}' on http://{_url_host(host)}:{port}/v1 ({slots} slots, "
-          f"queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+          f"queue {cfg.max_queue}{adapters}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
 
 
 def _url_host(host: str) -> str:
