@@ -44,6 +44,13 @@ class GenerationConfig:
     # the LoRA adapter (by the name it was loaded under: Engine.load_adapter) this request's rows
     # use; None: the base model. Needs an artifact exported with --lora-rank.
     adapter: str | None = None
+    # structured output (runtime.request.constraint), at most one: the generated text is JSON valid
+    # against ``json_schema`` (a dict, or its JSON text; {"type": "object"}: any JSON object), or
+    # matches ``regex``, or is in the Lark ``grammar`` (llguidance's dialect). Needs the artifact's
+    # tokenizer.json; one that cannot be compiled is refused when the request is submitted.
+    json_schema: dict | str | bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse values that would crash deep inside numpy or silently mean something else
@@ -61,6 +68,14 @@ class GenerationConfig:
             raise GraphkilnError(f"top_p must be a number in (0, 1], got {self.top_p!r}: use 1 to disable it")
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             raise GraphkilnError(f"stop_token_ids must be integers, got {tuple(self.stop_token_ids)!r}")
+        constraints = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if len(constraints) > 1:
+            raise GraphkilnError(f"{' and '.join(constraints)} are both set: give one constraint per request")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise GraphkilnError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str, bool)):
+            raise GraphkilnError(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise GraphkilnError(f"adapter must be the name of a loaded LoRA adapter or None, got {self.adapter!r}")
         if self.return_hidden_states not in HIDDEN_STATE_MODES:

@@ -43,8 +43,9 @@ def finish_cancelled(r: RequestState) -> None:
     r.events.append(TokenEvent(r.index, NO_TOKEN, "", None, "cancelled"))
 
 
-def commit(r: RequestState, token: int, logits: np.ndarray | None) -> None:
-    """Append request r's next token, update its text and stop state, and queue its event."""
+def commit(r: RequestState, token: int, logits: np.ndarray | None, complete: bool = False) -> None:
+    """Append request r's next token, update its text and stop state, and queue its event.
+    ``complete``: the request's grammar (structured output) admits nothing after this token."""
     cfg = r.cfg
     r.tokens.append(token)
     if cfg.output_logits:
@@ -56,7 +57,7 @@ def commit(r: RequestState, token: int, logits: np.ndarray | None) -> None:
         lps = log_softmax(logits)
         lp = TokenLogprob(token, float(lps[token]), tuple(top_logprobs(lps, cfg.logprobs)))
         r.logprobs.append(lp)
-    if token in r.stop_ids:
+    if token in r.stop_ids or complete:
         r.finish_reason = "stop"
     elif len(r.tokens) >= r.budget:
         r.finish_reason = "length"

@@ -11,6 +11,7 @@ holds nothing. Shared by the two drivers of the step (``Engine``: one call's pro
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -69,6 +70,13 @@ class Preparer:
         self.layout_roles = needed_roles({t.role for t in runner.spec.inputs})
         # the engine's LoRA slots (runtime.lora.AdapterPool) when the graph takes LoRA inputs
         self.adapters = None
+        # structured output (request.constraint): the tokenizer for grammars, built on first use,
+        # and the grammars compiled lately (resolve compiles, make_request reads them back)
+        from graphkiln.runtime.request.constraint import Grammars
+
+        self.grammars = Grammars(tokenizer.path if tokenizer is not None else None, manifest.model.vocab_size,
+                                 manifest.generation.eos_token_ids)
+        self._compiled: dict[tuple[str, str], str] = {}
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -265,7 +273,33 @@ class Preparer:
             self.check_hidden_states("return_hidden_states")
         if c.adapter is not None:
             self.check_adapter(c.adapter)
+        self._grammar(c)  # compiled here, before the request is queued: a bad schema is refused at once
         return c, params
+
+    def _grammar(self, cfg: GenerationConfig) -> str | None:
+        """The compiled grammar of ``cfg``'s constraint (None: unconstrained), from a small cache."""
+        from graphkiln.runtime.request.constraint import constraint_field
+
+        found = constraint_field(cfg)
+        if found is None:
+            return None
+        field, value = found
+        key = (field, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+        grammar = self._compiled.get(key)
+        if grammar is None:
+            if self.tokenizer is None:
+                raise GraphkilnError(f"{field}: structured output needs the artifact's tokenizer.json, and this "
+                                     "artifact has none")
+            grammar = self.grammars.compile(field, value)
+            if len(self._compiled) >= 64:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[key] = grammar
+        return grammar
+
+    def constraint(self, cfg: GenerationConfig):
+        """A started ``request.constraint.Constraint`` for a resolved ``cfg``, or None."""
+        grammar = self._grammar(cfg)
+        return None if grammar is None else self.grammars.constraint(grammar)
 
     def check_adapter(self, name: str) -> None:
         """Refuse (one line) an adapter this engine does not have loaded, or any adapter on an

@@ -19,6 +19,7 @@ from graphkiln.runtime.request.tokenizer import IncrementalDetokenizer
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
+    from graphkiln.runtime.request.constraint import Constraint
     from graphkiln.runtime.request.prepare import Prepared, Preparer
     from graphkiln.runtime.request.scheduler import RequestHandle
 
@@ -79,6 +80,8 @@ class RequestState:
     # identity salts the prefix keys, so blocks are never shared across adapters.
     adapter_slot: int | None = None
     adapter_salt: bytes = b""
+    # structured output: the request's grammar matcher and next-step mask (request.constraint); None: free
+    constraint: "Constraint | None" = None
 
     @property
     def position(self) -> int:
@@ -87,7 +90,8 @@ class RequestState:
     @property
     def folds(self) -> bool:
         """Whether the graph's argmax can choose this request's next token (no logits needed)."""
-        return self.params.greedy and self.cfg.logprobs is None and not self.cfg.output_logits
+        return (self.params.greedy and self.cfg.logprobs is None and not self.cfg.output_logits
+                and self.constraint is None)
 
     @property
     def runs(self) -> bool:
@@ -103,10 +107,11 @@ def make_request(prep: "Preparer", index: int, prepared: "Prepared", cfg: Genera
     ids = prepared.ids
     budget = min(cfg.max_new_tokens, prep.max_seq_len - len(ids))
     detok = IncrementalDetokenizer(prep.tokenizer) if prep.tokenizer is not None else None
+    constraint = prep.constraint(cfg) if budget > 0 else None
     return RequestState(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok,
                         images=prepared.images, image_positions=prepared.image_positions, layout=prepared.layout,
                         cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids),
-                        image_spans=prepared.image_spans)
+                        image_spans=prepared.image_spans, constraint=constraint)
 
 
 def result_of(r: RequestState) -> GenerationResult:

@@ -339,6 +339,13 @@ class StepBatch:
                 if token < 0:  # the graph's mark for a row with NaN/+Inf or no finite logit
                     raise NonFiniteLogits(token)
                 commit(r, token, None)
+            elif r.constraint is not None:  # chosen among the tokens its grammar allows now
+                if not np.isfinite(out).all():
+                    raise NonFiniteLogits(0)  # not hidden by the mask: the model itself is broken
+                token = select_token(r.constraint.mask(out), r.params, r.rng)
+                last = token in r.stop_ids or len(r.tokens) + 1 >= r.budget
+                complete = r.constraint.advance(token, finished=last)
+                commit(r, token, out, complete=complete)
             else:
                 commit(r, select_token(out, r.params, r.rng), out)
             self.generated_tokens += 1
@@ -370,5 +377,7 @@ class StepBatch:
         self.rows.pop()
         r.slot = None
         self._release_adapter(r)
+        if r.constraint is not None:
+            r.constraint.close()
 
 

@@ -22,6 +22,7 @@ def check_text(text, what: str = "prompt") -> None:
 
 class Tokenizer:
     def __init__(self, path: Path) -> None:
+        self.path = path  # tokenizer.json (structured output builds its own view of it: request.constraint)
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
