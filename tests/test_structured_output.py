@@ -102,7 +102,9 @@ def test_refusals_are_one_line(engine, llama_case):
     for config, needle in [(GenerationConfig(json_schema={"type": "no-such-type"}), "json_schema: "),
                            (GenerationConfig(json_schema="{not json"), "json_schema: "),
                            (GenerationConfig(regex="[a-"), "regex: "),
-                           (GenerationConfig(grammar="start: undefined_rule"), "grammar: ")]:
+                           (GenerationConfig(grammar="start: undefined_rule"), "grammar: "),
+                           (GenerationConfig(grammar="start: start"), "grammar: no text satisfies it"),
+                           (GenerationConfig(json_schema=False), "json_schema: false is the schema nothing")]:
         with pytest.raises(GraphkilnError, match=re.escape(needle)) as err:
             engine.generate("x", config)
         assert "\n" not in str(err.value)

@@ -22,6 +22,14 @@ events are read with ``RequestHandle.aevents()`` -> on every exit path (done, fa
 the handle is cancelled (idempotent) and the watcher stopped. The app never starts or stops the
 scheduler: ``graphkiln.serve.server`` owns both lifecycles.
 
+Structured output: OpenAI's ``response_format`` (text, json_object, json_schema) and vLLM's
+``guided_json``/``guided_regex``/``guided_grammar``/``structured_outputs`` become the config's
+``json_schema``/``regex``/``grammar`` (at most one: two are a 400 ``conflicting_constraints``);
+the engine compiles the grammar when the request is submitted, in the lane worker, and a schema,
+regex or grammar it refuses is a 400 ``invalid_response_format`` whose ``param`` is the request's
+field (``response_format.json_schema.schema``, ``guided_regex``, ...) and whose message is the
+engine's line with that field in front.
+
 ``param`` of a 400 names the field as OpenAI writes it (``messages[0].content``, ``stop``), never
 pydantic's internal location (which adds union members' type names such as ``str``).
 
@@ -380,7 +388,8 @@ def _prepare_completion(state: ServerState, body: bytes):
     checked before any is submitted; a refusal of a later one (queue full) cancels the earlier."""
     req = _parse(S.CompletionRequest, body)
     adapter = state.resolve_model(req.model)
-    config = _config(req, req.max_tokens, req.logprobs, adapter)
+    constraint = _constraint(req, state)
+    config = _config(req, req.max_tokens, req.logprobs, adapter, constraint)
     if req.echo and req.logprobs is not None:  # the prompt's own, from the prefill that runs it
         config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
     ready = []
@@ -395,7 +404,7 @@ def _prepare_completion(state: ServerState, body: bytes):
     group = _Group([])
     try:
         for prompt, param in ready:
-            group.handles.append(_submit(state, prompt, config, param))
+            group.handles.append(_submit(state, prompt, config, param, constraint))
     except BaseException:
         group.cancel()
         raise
@@ -407,7 +416,8 @@ def _prepare_chat(state: ServerState, body: bytes):
     adapter = state.resolve_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter)
+    constraint = _constraint(req, state)
+    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter, constraint)
     try:
         text = state.chat.render([m.for_template() for m in req.messages])
     except ChatTemplateError as exc:
@@ -415,7 +425,7 @@ def _prepare_chat(state: ServerState, body: bytes):
     state.check_chars(len(text), "messages")
     ids = state.encode(text, special=False)  # the template already wrote any BOS
     state.check_tokens(len(ids), "messages")
-    return req, _Group([_submit(state, ids, config, "messages")])
+    return req, _Group([_submit(state, ids, config, "messages", constraint)])
 
 
 def _tokenizer_info(state: ServerState) -> S.TokenizerInfo:
@@ -511,12 +521,20 @@ def _param(model: type[BaseModel], loc: tuple, unknown: bool) -> str | None:
         if isinstance(part, int):
             out += f"[{part}]"
             continue
-        owner = next((m for m in models if part in m.model_fields), None)
+        owner = next((m for m in models if _field(m, part) is not None), None)
         if owner is None and not (unknown and i == len(loc) - 1):
             continue
         out += f".{part}" if out else part
-        models = _models_in(owner.model_fields[part].annotation) if owner is not None else []
+        models = _models_in(_field(owner, part).annotation) if owner is not None else []
     return out or None
+
+
+def _field(model: type[BaseModel], name: str):
+    """``model``'s field that JSON names ``name`` (its alias, else its own name), or None."""
+    for key, info in model.model_fields.items():
+        if (info.alias or key) == name:
+            return info
+    return None
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:
@@ -546,27 +564,58 @@ def _unknown_adapter(name: str, loaded: list[str]) -> ApiError:
                     code="lora_adapter_not_found")
 
 
-def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None,
-            adapter: str | None = None) -> GenerationConfig:
+def _constraint(req: S._Sampling, state: ServerState) -> S.OutputConstraint | None:
+    """The request's one output constraint (structured output), or None; two are a 400 naming
+    both, and any on an artifact without tokenizer.json a 400 ``no_tokenizer``."""
+    found = req.constraints()
+    if len(found) > 1:
+        names = [c.param.split(".")[0] for c in found]
+        raise ApiError(400, f"{' and '.join(names)} both constrain the output: send only one of response_format, "
+                            "guided_json, guided_regex, guided_grammar, structured_outputs", param=names[1],
+                       code="conflicting_constraints")
+    if found and state.tokenizer is None:
+        raise ApiError(400, f"{found[0].param}: structured output needs the artifact's tokenizer.json, and this "
+                            "artifact has none", param=found[0].param, code="no_tokenizer")
+    return found[0] if found else None
+
+
+def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None, adapter: str | None = None,
+            constraint: S.OutputConstraint | None = None) -> GenerationConfig:
     """OpenAI's parameters as a GenerationConfig. Temperature 0 is greedy; any sampling field asks
     for sampling; none leaves the artifact's defaults. Without a seed each request gets a random
     one (OpenAI's behaviour: unseeded requests differ). ``adapter``: the LoRA adapter the request's
-    ``model`` named (None: the base model)."""
+    ``model`` named (None: the base model). ``constraint`` (``_constraint``: response_format,
+    vLLM's guided_* or structured_outputs) sets the config's json_schema, regex or grammar."""
     sampling = (req.temperature is not None and req.temperature > 0) or (
         req.temperature is None and (req.top_p is not None or req.top_k is not None))
+    extra = {constraint.field: constraint.value} if constraint is not None else {}
     try:
         return GenerationConfig(
             max_new_tokens=max_tokens, do_sample=True if sampling else (False if req.temperature == 0 else None),
             temperature=req.temperature if sampling else None, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed if req.seed is not None else secrets.randbits(63), stop_strings=req.stop_strings,
             logprobs=logprobs, stop_token_ids=() if req.ignore_eos else None,
-            adapter=adapter)
+            adapter=adapter, **extra)
     except GraphkilnError as exc:
+        if constraint is not None and str(exc).startswith(constraint.field):
+            raise _refused_constraint(exc, constraint) from None
         raise ApiError(400, str(exc)) from None
 
 
-def _submit(state: ServerState, prompt, config: GenerationConfig, param: str):
-    """``Scheduler.submit`` (in a lane worker) with its refusals as ApiErrors."""
+def _refused_constraint(exc: GraphkilnError, constraint: S.OutputConstraint) -> ApiError:
+    """The engine's one line for a schema, regex or grammar it cannot compile (or an artifact
+    without tokenizer.json), as a 400 naming the request's field."""
+    message, field = str(exc), constraint.field
+    if message.startswith(field + ":"):  # the engine's config field, as the request named it
+        message = constraint.param + message[len(field):]
+    return ApiError(400, _clip(message, 400), param=constraint.param, code="invalid_response_format")
+
+
+def _submit(state: ServerState, prompt, config: GenerationConfig, param: str,
+            constraint: S.OutputConstraint | None = None):
+    """``Scheduler.submit`` (in a lane worker: a constraint's grammar is compiled there) with its
+    refusals as ApiErrors; the engine's refusal of ``constraint`` (its line starts with the
+    config's field name) names the request's field."""
     from graphkiln.runtime.request.scheduler import QueueFull, ShuttingDown
 
     _check_open(state)
@@ -582,6 +631,8 @@ def _submit(state: ServerState, prompt, config: GenerationConfig, param: str):
         adapter = config.adapter
         if adapter is not None and adapter not in state.adapter_names():  # unloaded since the model was checked
             raise _unknown_model(adapter, state.options.model_name, True) from None
+        if constraint is not None and str(exc).startswith(constraint.field):
+            raise _refused_constraint(exc, constraint) from None
         raise ApiError(400, str(exc), param=param) from None
 
 

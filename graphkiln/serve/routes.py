@@ -32,7 +32,9 @@ def generation_route(body: type, chunk: type) -> dict[str, Any]:
                                             f"{chunk.__name__}>`, then `data: [DONE]`",
               "content": {"text/event-stream": {"schema": event}}},
         400: {**_ERROR, "description": "malformed JSON, unknown field, ill-typed or out-of-range value, "
-                                       "prompt too long"},
+                                       "prompt too long, a response_format/guided_*/structured_outputs "
+                                       "constraint the engine cannot compile (invalid_response_format) or "
+                                       "two of them (conflicting_constraints)"},
         **AUTH,
         404: {**_ERROR, "description": "model not served here (neither the base model nor a loaded LoRA adapter)"},
         413: {**_ERROR, "description": "body over the server's size limit"},

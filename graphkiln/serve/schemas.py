@@ -10,9 +10,11 @@ a 400 naming the field. Responses are built as these models and dumped to JSON a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 # OpenAI's own bounds, where it has them (temperature 0..2, top_logprobs 0..20, 4 stop strings).
 MAX_STOPS = 4
@@ -38,8 +40,75 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# -- structured output ---------------------------------------------------------------------
+# OpenAI's response_format and vLLM's extensions (guided_json/guided_regex/guided_grammar, and the
+# newer structured_outputs) on both generation routes, each one of the engine's constraints
+# (GenerationConfig.json_schema/regex/grammar); a request sets at most one (the route refuses two).
+
+JsonObject = dict[StrictStr, Any]  # a JSON Schema as a JSON object
+
+
+class ResponseFormatText(BaseModel):
+    """OpenAI's default: free text."""
+    model_config = _REQUEST
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+    """OpenAI's JSON mode: the output is one JSON object (any)."""
+    model_config = _REQUEST
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the output is JSON valid against ``schema``
+    (always enforced, ``strict`` or not)."""
+    model_config = _REQUEST
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: StrictStr | None = None
+    # "schema" would shadow BaseModel.schema: the field is schema_, its JSON name "schema"
+    schema_: JsonObject = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    model_config = _REQUEST
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                           Field(discriminator="type")]
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON Schema, or its JSON text),
+    ``regex``, ``grammar`` (Lark, llguidance's dialect)."""
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
+    json_: JsonObject | StrictStr | None = Field(default=None, alias="json")
+    regex: NonEmpty | None = None
+    grammar: NonEmpty | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, grammar (got {', '.join(given) or 'none'})")
+        return self
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """One constraint a request asked for: ``field`` the GenerationConfig field it sets, ``value``
+    its value, ``param`` the request field that gave it, as OpenAI writes it."""
+    field: str
+    value: Any
+    param: str
+
+
 class _Sampling(BaseModel):
-    """What both routes share: sampling, stops, length, streaming."""
+    """What both routes share: sampling, stops, length, streaming, structured output."""
 
     model_config = _REQUEST
 
@@ -62,6 +131,12 @@ class _Sampling(BaseModel):
     # do not stop at the model's EOS tokens (benchmarks want exactly max_tokens)
     return_token_ids: StrictBool = False
     ignore_eos: StrictBool = False
+    # structured output, at most one of them (constraints): OpenAI's, then vLLM's names
+    response_format: ResponseFormat | None = None
+    guided_json: JsonObject | StrictStr | None = None
+    guided_regex: NonEmpty | None = None
+    guided_grammar: NonEmpty | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -80,6 +155,25 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def constraints(self) -> list[OutputConstraint]:
+        """Every output constraint the request sets (a route refuses more than one)."""
+        out = []
+        fmt = self.response_format
+        if isinstance(fmt, ResponseFormatJsonObject):
+            out.append(OutputConstraint("json_schema", {"type": "object"}, "response_format"))
+        elif isinstance(fmt, ResponseFormatJsonSchema):
+            out.append(OutputConstraint("json_schema", fmt.json_schema.schema_, "response_format.json_schema.schema"))
+        for field, name in (("json_schema", "guided_json"), ("regex", "guided_regex"), ("grammar", "guided_grammar")):
+            if getattr(self, name) is not None:
+                out.append(OutputConstraint(field, getattr(self, name), name))
+        so = self.structured_outputs
+        if so is not None:
+            for field, name, value in (("json_schema", "json", so.json_), ("regex", "regex", so.regex),
+                                       ("grammar", "grammar", so.grammar)):
+                if value is not None:
+                    out.append(OutputConstraint(field, value, f"structured_outputs.{name}"))
+        return out
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]

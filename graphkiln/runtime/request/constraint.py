@@ -84,8 +84,11 @@ class Grammars:
         try:
             if field == "json_schema":
                 schema = json.loads(value) if isinstance(value, str) else value
-                if not isinstance(schema, (dict, bool)):
-                    raise ValueError("must be a JSON object (a schema)")
+                if schema is True:  # the schema every JSON value satisfies
+                    schema = {}
+                if not isinstance(schema, dict):
+                    raise ValueError("must be a JSON object (a schema)" if schema is not False
+                                     else "false is the schema nothing satisfies")
                 # no free whitespace between JSON tokens: a model may otherwise pad forever (a known
                 # failure of flexible-whitespace grammars); json.dumps's separators keep it readable
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -98,6 +101,15 @@ class Grammars:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if is_error:
             raise GraphkilnError(f"{field}: {_line(messages[0] if messages else 'invalid')}: pass a valid {_WHAT[field]}")
+        # Some limits (a regex's size, say) are only met when the first mask is built, and a grammar
+        # no text satisfies only shows there: built once here, so neither fails a running request.
+        probe = Constraint(self, grammar)
+        probe._fill()
+        error = _line(probe.matcher.get_error()) if probe.matcher.is_error() else ""
+        if (probe.matcher.is_stopped() and not probe.matcher.is_accepting()) or error.startswith("NoExtension"):
+            raise GraphkilnError(f"{field}: no text satisfies it: pass a {_WHAT[field]} that some text matches")
+        if error:
+            raise GraphkilnError(f"{field}: {error}: simplify the {_WHAT[field]}")
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":

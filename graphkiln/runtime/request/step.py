@@ -352,6 +352,8 @@ class StepBatch:
         except NonFiniteLogits:
             r.error = NonFiniteLogitsError(r.index, len(r.tokens) + 1)
             r.finish_reason = "error"
+        except GraphkilnError as exc:  # its grammar failed (request.constraint): this request only
+            r.error, r.finish_reason = exc, "error"
 
     # -- release --------------------------------------------------------------------------
 
