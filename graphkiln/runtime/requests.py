@@ -51,6 +51,10 @@ class GenerationConfig:
     json_schema: dict | str | bool | None = None
     regex: str | None = None
     grammar: str | None = None
+    # speculative decoding (runtime.request.speculate): "ngram" or "ngram:K" (K prompt-lookup draft
+    # tokens verified per step). Greedy requests without logprobs on artifacts whose state is KV
+    # only; others decode as usual. Greedy output is identical either way.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse values that would crash deep inside numpy or silently mean something else
@@ -76,6 +80,10 @@ class GenerationConfig:
                 raise GraphkilnError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str, bool)):
             raise GraphkilnError(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
+        if self.speculative is not None:
+            from graphkiln.runtime.request.speculate import parse_speculative
+
+            parse_speculative(self.speculative)
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise GraphkilnError(f"adapter must be the name of a loaded LoRA adapter or None, got {self.adapter!r}")
         if self.return_hidden_states not in HIDDEN_STATE_MODES:

@@ -77,6 +77,10 @@ class Preparer:
         self.grammars = Grammars(tokenizer.path if tokenizer is not None else None, manifest.model.vocab_size,
                                  manifest.generation.eos_token_ids)
         self._compiled: dict[tuple[str, str], str] = {}
+        # speculative decoding (request.speculate) rolls back by position alone: KV-only state, plain
+        # positions, and the CPU runner (whose rows may take several tokens onto a filled cache)
+        self.speculates = (all(s.kind == "kv" for s in manifest.states) and not self.layout_roles
+                           and (backend, device) == ("onnxruntime", "cpu"))
 
     # -- prompts --------------------------------------------------------------------------
 

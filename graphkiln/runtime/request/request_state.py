@@ -20,6 +20,7 @@ from graphkiln.runtime.requests import GenerationConfig, GenerationResult, Token
 
 if TYPE_CHECKING:
     from graphkiln.runtime.request.constraint import Constraint
+    from graphkiln.runtime.request.speculate import Speculator
     from graphkiln.runtime.request.prepare import Prepared, Preparer
     from graphkiln.runtime.request.scheduler import RequestHandle
 
@@ -82,6 +83,8 @@ class RequestState:
     adapter_salt: bytes = b""
     # structured output: the request's grammar matcher and next-step mask (request.constraint); None: free
     constraint: "Constraint | None" = None
+    # speculative decoding (request.speculate): drafts and their acceptance; None: one token a step
+    speculator: "Speculator | None" = None
 
     @property
     def position(self) -> int:
@@ -108,10 +111,15 @@ def make_request(prep: "Preparer", index: int, prepared: "Prepared", cfg: Genera
     budget = min(cfg.max_new_tokens, prep.max_seq_len - len(ids))
     detok = IncrementalDetokenizer(prep.tokenizer) if prep.tokenizer is not None else None
     constraint = prep.constraint(cfg) if budget > 0 else None
-    return RequestState(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok,
-                        images=prepared.images, image_positions=prepared.image_positions, layout=prepared.layout,
-                        cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids),
-                        image_spans=prepared.image_spans, constraint=constraint)
+    r = RequestState(index, ids, budget, np.random.default_rng((cfg.seed, index)), detokenizer=detok,
+                     images=prepared.images, image_positions=prepared.image_positions, layout=prepared.layout,
+                     cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids),
+                     image_spans=prepared.image_spans, constraint=constraint)
+    if cfg.speculative is not None and prep.speculates and r.folds and not cfg.return_hidden_states:
+        from graphkiln.runtime.request.speculate import Speculator, parse_speculative
+
+        r.speculator = Speculator(parse_speculative(cfg.speculative))
+    return r
 
 
 def result_of(r: RequestState) -> GenerationResult:

@@ -214,9 +214,15 @@ class StepBatch:
         return stepped
 
     def _decode_run(self, plan: Plan):
-        """(args, kwargs, finish) of the decode rows' run: one token each, slots [0, d)."""
+        """(args, kwargs, finish) of the decode rows' run: one token each, slots [0, d); a lone
+        speculating row verifies its drafts in the same run (``_speculative_run``)."""
         reqs = plan.decode
         n = len(reqs)
+        if n == 1 and reqs[0].speculator is not None and self.folded:
+            r = reqs[0]
+            draft = r.speculator.draft(r.prompt_ids + r.tokens, r.budget - len(r.tokens) - 1)
+            if draft:
+                return self._speculative_run(r, draft)
         tokens = np.array([[r.tokens[-1]] for r in reqs], np.int64)
         positions = np.array([[r.position - 1] for r in reqs], np.int64)
         fold = self.folded and all(r.folds for r in reqs)
@@ -237,6 +243,32 @@ class StepBatch:
 
         args = (tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))
         return args, self._run_kwargs(extra, None, 0, fold, hidden), finish
+
+    def _speculative_run(self, r: RequestState, draft: list[int]):
+        """(args, kwargs, finish) of one row's run over its last token and ``draft``: the argmax at
+        each of the k+1 positions; commits the drafts that match it, then one more (see
+        ``request.speculate``)."""
+        k = len(draft)
+        tokens = np.array([[r.tokens[-1], *draft]], np.int64)
+        positions = np.arange(r.position - 1, r.position + k, dtype=np.int64)[None, :]
+        extra = self.prep.extra([r], positions[:, 0], k + 1)
+
+        def finish(out) -> list[RequestState]:
+            chosen = [int(t) for t in out[0]]
+            accepted = 0
+            while accepted < k and chosen[accepted] == draft[accepted]:
+                accepted += 1
+            r.speculator.record(k, accepted)
+            for token in chosen[: accepted + 1]:
+                self._choose(r, token, True)
+                if r.finish_reason is not None:
+                    break
+            if self.prefix is not None:
+                self.prefix.remember(r)
+            return [r]
+
+        args = (tokens, positions, np.arange(k + 1, dtype=np.int64)[None, :], np.array([k + 1], np.int64))
+        return args, self._run_kwargs(extra, None, 0, True, False), finish
 
     def _prefill_run(self, plan: Plan):
         """(args, kwargs, finish) of the prefill rows' run: one chunk each, slots after the decode rows."""
