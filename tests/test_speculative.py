@@ -1,19 +1,44 @@
-"""Speculative decoding with prompt-lookup drafts (runtime.request.speculate): greedy output is
-exactly plain greedy decoding, on a dense and a MoE model, onnxruntime and portable targets, with
-stops, budgets and prefix reuse; drafts are really accepted on repetitive text; artifacts with
-slot state decode as usual."""
+"""Speculative decoding (runtime.request.speculate, runtime.draft_model): greedy output is exactly
+plain greedy decoding with prompt-lookup and draft-model drafts, on dense, MoE and hybrid (conv,
+gated delta, Mamba) models, alone and several rows per step, with stops and budgets; drafts are
+really accepted; sampled output has the target's distribution (a chi-square test against the
+exact distribution, on a vocabulary of 8, that an always-accept rule fails); bad settings and
+mismatched drafts are one line."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
+from conftest import MAX_SEQ_LEN, SPECS, Spec, _COMMON, build_checkpoint
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
+from graphkiln.runtime.request import speculate
 from graphkiln.runtime.request.speculate import ngram_draft
 
 PLAIN = GenerationConfig(max_new_tokens=48, stop_token_ids=())
+
+
+def _export(ckpt, out, **opts):
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    export_model(str(ckpt), out, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, target="onnxruntime", **opts))
+    return out
+
+
+def counted_runs(engine) -> list[int]:
+    """The sequence length of every run of ``engine``'s decoder from now on."""
+    runs: list[int] = []
+    run = engine.decoder.run
+
+    def counting(*args, **kwargs):
+        runs.append(args[1].shape[1])
+        return run(*args, **kwargs)
+
+    engine.decoder.run = counting
+    return runs
 
 
 def test_ngram_draft():
@@ -25,25 +50,32 @@ def test_ngram_draft():
 
 
 @pytest.mark.parametrize("name, target", [("llama_tok", "onnxruntime"), ("llama_tok", "portable"),
-                                          ("qwen3_moe", "onnxruntime")])
-def test_greedy_tokens_equal_plain_decoding(tiny, name, target):
+                                          ("qwen3_moe", "onnxruntime"), ("lfm2", "onnxruntime"),
+                                          ("qwen3_5", "onnxruntime"), ("nemotron_h", "onnxruntime")])
+def test_greedy_ngram_equals_plain_decoding(tiny, name, target):
+    """Dense, MoE and hybrids (conv; gated delta; Mamba: slot states restored after a rejection)."""
     case = tiny(name, target)
     engine = Engine.load(case.artifact, threads=1)
-    # repetitive prompts, so that drafts are proposed and some accepted
+    # repetitive prompts, so that drafts are proposed, some accepted and some rejected
     prompts = [p * 3 for p in case.prompts([5, 7, 4], salt=3)]
+    runs = counted_runs(engine)
     for prompt in prompts:
         plain = engine.generate(prompt, PLAIN)[0]
-        for k in ("ngram", "ngram:2", "ngram:8"):
+        for k in ("ngram", "ngram:8"):
             spec = engine.generate(prompt, dataclasses.replace(PLAIN, speculative=k))[0]
             assert spec.token_ids == plain.token_ids, (name, target, k)
-    # stops and budgets end where plain decoding ends
-    prompt = prompts[0]
-    plain = engine.generate(prompt, PLAIN)[0].token_ids
-    stop = dataclasses.replace(PLAIN, stop_token_ids=(plain[9],), max_new_tokens=30)
-    assert (engine.generate(prompt, dataclasses.replace(stop, speculative="ngram:8"))[0].token_ids
-            == engine.generate(prompt, stop)[0].token_ids)
-    short = dataclasses.replace(PLAIN, max_new_tokens=5, speculative="ngram:8")
-    assert engine.generate(prompt, short)[0].token_ids == plain[:5]
+    assert max(runs) > 1 and len(runs) < 9 * 49, runs  # verification runs happened and saved runs
+    # several rows per step, each verified in its own run, equal to the batch decoded plainly
+    batch = [r.token_ids for r in engine.generate(prompts, dataclasses.replace(PLAIN, speculative="ngram:8"))]
+    assert batch == [r.token_ids for r in engine.generate(prompts, PLAIN)]
+    if name == "llama_tok" and target == "onnxruntime":  # stops and budgets end where plain decoding ends
+        prompt = prompts[0]
+        plain = engine.generate(prompt, PLAIN)[0].token_ids
+        stop = dataclasses.replace(PLAIN, stop_token_ids=(plain[9],), max_new_tokens=30)
+        assert (engine.generate(prompt, dataclasses.replace(stop, speculative="ngram:8"))[0].token_ids
+                == engine.generate(prompt, stop)[0].token_ids)
+        short = dataclasses.replace(PLAIN, max_new_tokens=5, speculative="ngram:8")
+        assert engine.generate(prompt, short)[0].token_ids == plain[:5]
 
 
 def test_drafts_are_accepted_on_repetitive_text(tiny):
@@ -51,30 +83,130 @@ def test_drafts_are_accepted_on_repetitive_text(tiny):
     (fewer graph runs than tokens), or the speed-up claimed in benchmarks could not exist."""
     case = tiny("llama_tok", "onnxruntime")
     engine = Engine.load(case.artifact, threads=1)
-    runs = []
-    run = engine.decoder.run
-
-    def counting(*args, **kwargs):
-        runs.append(args[1].shape[1])
-        return run(*args, **kwargs)
-
-    engine.decoder.run = counting
+    runs = counted_runs(engine)
     prompt = case.prompts([6], salt=5)[0] * 4
     out = engine.generate(prompt, dataclasses.replace(PLAIN, max_new_tokens=100, speculative="ngram:4"))[0]
     assert len(out.token_ids) == 100 and len(runs) < 100, len(runs)
     assert max(runs[1:]) > 1  # multi-token verification steps happened
 
 
-def test_slot_state_models_decode_as_usual(tiny):
-    case = tiny("lfm2", "onnxruntime")
-    engine = Engine.load(case.artifact, threads=1)
-    prompt = case.prompts([6], salt=2)[0] * 3
-    assert (engine.generate(prompt, dataclasses.replace(PLAIN, speculative="ngram"))[0].token_ids
-            == engine.generate(prompt, PLAIN)[0].token_ids)
+@pytest.fixture(scope="module")
+def drafted(tiny, tmp_path_factory):
+    """Targets with drafts: llama_tok with its own int4 export (same tokenizer), and the hybrid
+    lfm2 with qwen3_moe (another family; both vocabulary 300, no tokenizer)."""
+    root = tmp_path_factory.mktemp("drafts")
+    llama = tiny("llama_tok", "onnxruntime")
+    return {"llama_tok": (llama, _export(llama.checkpoint, root / "llama-int4", quant="int4")),
+            "lfm2": (tiny("lfm2", "onnxruntime"), tiny("qwen3_moe", "onnxruntime").artifact)}
 
 
-def test_bad_setting_is_one_line():
-    with pytest.raises(GraphkilnError, match="'draft:4' is not supported"):
-        GenerationConfig(speculative="draft:4")
+@pytest.mark.parametrize("name", ["llama_tok", "lfm2"])
+def test_greedy_draft_model_equals_plain_decoding(drafted, name):
+    case, draft = drafted[name]
+    engine = Engine.load(case.artifact, threads=1, draft=draft)
+    prompts = [p * 2 for p in case.prompts([5, 9], salt=4)]
+    runs = counted_runs(engine)
+    plain = [r.token_ids for r in engine.generate(prompts, PLAIN)]
+    for k in ("draft:2", "draft:8"):
+        for prompt, expected in zip(prompts, plain):
+            assert engine.generate(prompt, dataclasses.replace(PLAIN, speculative=k))[0].token_ids == expected, k
+        assert [r.token_ids for r in engine.generate(prompts, dataclasses.replace(PLAIN, speculative=k))] == plain
+    assert max(runs) > 1
+    # with logprobs (logits at every verified position instead of the folded argmax): same tokens, same logprobs
+    lp = dataclasses.replace(PLAIN, logprobs=2, max_new_tokens=12)
+    a = engine.generate(prompts[0], lp)[0]
+    b = engine.generate(prompts[0], dataclasses.replace(lp, speculative="draft:4"))[0]
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in b.logprobs], atol=1e-4)
+    # a Scheduler (continuous batching, a draft slot per request) gives the same tokens too
+    from graphkiln.runtime.request.scheduler import Scheduler
+
+    sched = Scheduler(engine, max_batch=2)
+    sched.start()
+    try:
+        handles = [sched.submit(p, dataclasses.replace(PLAIN, speculative="draft:4")) for p in prompts]
+        assert [h.result().token_ids for h in handles] == plain
+    finally:
+        sched.shutdown(5.0)
+
+
+# -- sampling preserves the target's distribution -----------------------------------------------------
+
+V8 = Spec("llama_v8", "LlamaForCausalLM",
+          dict(_COMMON, vocab_size=8, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+               tie_word_embeddings=False, initializer_range=0.3),
+          seed=31, features=("tiny_vocab",))
+# every bigram (2, t) occurs, so a prompt-lookup draft follows whatever the first token is
+V8_PROMPT = [2, 0, 2, 1, 2, 2, 2, 3, 2, 4, 2, 5, 2, 6, 2, 7, 2]
+SAMPLES = 2000
+
+
+@pytest.fixture(scope="module")
+def v8(tmp_path_factory):
+    """A vocabulary-8 target and a differently seeded draft (so q differs from p), and the exact
+    distribution of the target's first three sampled tokens after ``V8_PROMPT`` [8, 8, 8]."""
+    root = tmp_path_factory.mktemp("v8")
+    target = _export(build_checkpoint(V8, root / "target"), root / "target-art")
+    draft = _export(build_checkpoint(V8, root / "draft", seed=32), root / "draft-art")
+    engine = Engine.load(target, threads=1, draft=draft)
+    prefixes = [[]] + [[a] for a in range(8)] + [[a, b] for a in range(8) for b in range(8)]
+    logits = engine.prompt_logits([V8_PROMPT + p for p in prefixes])
+    probs = [np.exp(x[-1] - x[-1].max()) / np.exp(x[-1] - x[-1].max()).sum() for x in logits]
+    joint = np.einsum("a,ab,abc->abc", probs[0], np.stack(probs[1:9]), np.stack(probs[9:]).reshape(8, 8, 8))
+    return engine, joint
+
+
+def chi_square_p(samples: list[list[int]], joint: np.ndarray) -> float:
+    """p-value of the samples' first three tokens under ``joint`` (cells expecting < 5 merged)."""
+    from scipy.stats import chi2
+
+    counts = np.zeros(joint.size)
+    for s in samples:
+        counts[np.ravel_multi_index(tuple(s[:3]), joint.shape)] += 1
+    expected = joint.ravel() * len(samples)
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    return float(chi2.sf(stat, keep.sum() - 1))
+
+
+def _sample(engine, speculative: str) -> list[list[int]]:
+    cfg = GenerationConfig(max_new_tokens=4, stop_token_ids=(), do_sample=True, temperature=1.0, speculative=speculative)
+    return [engine.generate(V8_PROMPT, dataclasses.replace(cfg, seed=i))[0].token_ids for i in range(SAMPLES)]
+
+
+@pytest.mark.parametrize("source", ["ngram:3", "draft:3"])
+def test_sampling_keeps_the_target_distribution(v8, source, monkeypatch):
+    """Tokens 2 and 3 come from one verification (drafts accepted, or a rejection's resample), so
+    their joint distribution with token 1 is what the rejection rule must get right: a chi-square
+    test against the exact distribution, fixed seeds, passes at p > 1e-3; the same test on an
+    always-accept rule (drafts taken as they come) fails it, so it can tell them apart."""
+    engine, joint = v8
+    runs = counted_runs(engine)
+    assert chi_square_p(_sample(engine, source), joint) > 1e-3
+    assert max(runs) > 1  # drafts were verified
+    real = speculate.accept
+    monkeypatch.setattr("graphkiln.runtime.request.step.accept",
+                        lambda p, proposal, rng: (proposal.tokens + real(p[len(proposal.tokens):], speculate.Proposal([]), rng)))
+    assert chi_square_p(_sample(engine, source), joint) < 1e-6
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+def test_bad_settings_are_one_line(tiny, tmp_path):
+    with pytest.raises(GraphkilnError, match="'beam:4' is not supported"):
+        GenerationConfig(speculative="beam:4")
     with pytest.raises(GraphkilnError, match="K from 1 to 16"):
         GenerationConfig(speculative="ngram:99")
+    case = tiny("llama_tok", "onnxruntime")
+    engine = Engine.load(case.artifact, threads=1)
+    with pytest.raises(GraphkilnError, match="needs a draft model and none is loaded"):
+        engine.generate([5, 6, 7], GenerationConfig(speculative="draft"))
+    with pytest.raises(GraphkilnError, match="vocabulary has 300 tokens"):
+        Engine.load(case.artifact, threads=1, draft=tiny("qwen3_moe", "onnxruntime").artifact)
+    with pytest.raises(GraphkilnError, match="conv or recurrent state"):
+        Engine.load(tiny("qwen3_moe", "onnxruntime").artifact, threads=1, draft=tiny("lfm2", "onnxruntime").artifact)
+    with pytest.raises(GraphkilnError, match="is not a directory"):
+        Engine.load(case.artifact, threads=1, draft=tmp_path / "missing")

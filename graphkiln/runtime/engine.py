@@ -57,8 +57,9 @@ class Engine:
                  manifest_digest: str | None = None, backend: str = "onnxruntime", device: str | None = None,
                  target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES, distributed=None,
                  prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
-                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False) -> None:
-        """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``)."""
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False, draft=None) -> None:
+        """Trusts ``manifest`` to be validated and checked against ``artifact_dir`` (use ``load``);
+        ``draft`` a ``runtime.draft_model.DraftModel`` opened for it."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         self.artifact_dir = artifact_dir
@@ -98,6 +99,11 @@ class Engine:
                              device)
         # LoRA slots (runtime.lora) the decoder graph reads its adapter stacks from; None: no LoRA inputs
         self.adapters = self.prep.adapters = _adapter_pool(manifest, self.decoder)
+        # the draft model of speculative decoding with drafts of another artifact (runtime.draft_model)
+        if draft is not None and not self.prep.speculates:
+            raise GraphkilnError(f"this artifact cannot speculate on {backend} on {device} (M-RoPE positions, a GPU "
+                                 "or Ray runner): load it without a draft")
+        self.draft = self.prep.draft = draft
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
@@ -105,7 +111,8 @@ class Engine:
              expected_digest: str | None = None, *, backend: str = "onnxruntime", device: str | None = None,
              target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
              distributed=None, prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
-             prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False) -> "Engine":
+             prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False,
+             draft: str | Path | None = None) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -121,7 +128,9 @@ class Engine:
         cached prefix prefills only the rest (``runtime.request.prefix``; CPU pools only for now).
         ``batched_int8`` runs steps of many token rows (batched decode, prefill) through a
         quantized artifact's batched-step graph: int8 weights derived from its blocks at load, faster
-        with many rows, with slightly different numerics (``graphkiln.batched_int8``)."""
+        with many rows, with slightly different numerics (``graphkiln.batched_int8``). ``draft``: an
+        artifact of the same tokenizer (a smaller or quantized model) whose drafts requests with
+        ``GenerationConfig(speculative="draft[:K]")`` verify (``runtime.draft_model``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         if threads is not None and distributed is None:  # before the files are hashed (every session checks
@@ -139,9 +148,15 @@ class Engine:
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
         check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
+        drafter = None
+        if draft is not None:
+            from graphkiln.runtime.draft_model import DraftModel
+
+            drafter = DraftModel.load(draft, manifest, threads, check_files)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
-                   prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8)
+                   prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8,
+                   draft=drafter)
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -345,6 +360,8 @@ class Engine:
         self.prep.encode_images(active)  # before any slot is claimed: a failure holds nothing
         capacity = max(r.position + r.budget for r in active)
         self.pool.reserve(len(active), capacity)
+        if self.draft is not None:
+            self.draft.reserve(len(active), capacity)
         batch = StepBatch(self.prep, self.decoder, self.pool, step_tokens=None, joinable=takes(self.decoder.run, "first_slot"),
                           prefix=self.prefix)
         waiting = deque(active)

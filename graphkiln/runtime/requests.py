@@ -51,9 +51,10 @@ class GenerationConfig:
     json_schema: dict | str | bool | None = None
     regex: str | None = None
     grammar: str | None = None
-    # speculative decoding (runtime.request.speculate): "ngram" or "ngram:K" (K prompt-lookup draft
-    # tokens verified per step). Greedy requests without logprobs on artifacts whose state is KV
-    # only; others decode as usual. Greedy output is identical either way.
+    # speculative decoding (runtime.request.speculate): "ngram[:K]" (K prompt-lookup drafts verified
+    # per step, default 4), "draft[:K]" (a draft model's: Engine.load(..., draft=DIR)) or None/"off".
+    # Greedy output is identical to plain decoding, sampled output has its distribution; requests
+    # with a grammar or hidden states, and M-RoPE artifacts, decode as usual.
     speculative: str | None = None
 
     def __post_init__(self) -> None:

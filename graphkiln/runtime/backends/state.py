@@ -237,6 +237,16 @@ class StatePool(PackedSlots):
             for a in bufs.values():
                 a[slot] = 0
 
+    def snapshot_slot_states(self, slot: int) -> dict[tuple[str, int], np.ndarray]:
+        """A copy of ``slot``'s conv and recurrent rows (speculative decoding restores them when a
+        draft the run consumed is rejected: ``request.step``); {} for a KV-only pool."""
+        return {key: a[slot].copy() for key, a in self.slot_states().items()}
+
+    def restore_slot_states(self, slot: int, saved: dict[tuple[str, int], np.ndarray]) -> None:
+        states = self.slot_states()
+        for key, rows in saved.items():
+            states[key][slot] = rows
+
     # -- graph I/O ------------------------------------------------------------------------
 
     def kv_views(self, n: int, first: int = 0) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:

@@ -77,10 +77,14 @@ class Preparer:
         self.grammars = Grammars(tokenizer.path if tokenizer is not None else None, manifest.model.vocab_size,
                                  manifest.generation.eos_token_ids)
         self._compiled: dict[tuple[str, str], str] = {}
-        # speculative decoding (request.speculate) rolls back by position alone: KV-only state, plain
-        # positions, and the CPU runner (whose rows may take several tokens onto a filled cache)
-        self.speculates = (all(s.kind == "kv" for s in manifest.states) and not self.layout_roles
-                           and (backend, device) == ("onnxruntime", "cpu"))
+        # speculative decoding (request.speculate): plain positions, and the CPU runner in this
+        # process (whose rows may take several tokens onto a filled cache); slot states (conv,
+        # recurrent) are snapshotted around a verification; drafts of a draft model need ``draft``
+        # (``runtime.draft_model.DraftModel``, set by the engine)
+        self.speculates = (not self.layout_roles and (backend, device) == ("onnxruntime", "cpu")
+                           and not hasattr(runner, "submit"))
+        self.slot_states = any(s.kind != "kv" for s in manifest.states)
+        self.draft = None
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -277,6 +281,9 @@ class Preparer:
             self.check_hidden_states("return_hidden_states")
         if c.adapter is not None:
             self.check_adapter(c.adapter)
+        if c.speculative is not None and c.speculative.startswith("draft") and self.draft is None:
+            raise GraphkilnError(f"speculative {c.speculative!r} needs a draft model and none is loaded: load one "
+                                 "(Engine.load(..., draft=DIR); graphkiln run/serve --draft DIR) or use 'ngram'")
         self._grammar(c)  # compiled here, before the request is queued: a bad schema is refused at once
         return c, params
 

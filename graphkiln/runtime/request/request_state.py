@@ -15,12 +15,12 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime.prompt_layout import PromptLayout
 from graphkiln.runtime.request.sampling import SamplingParams
+from graphkiln.runtime.request.speculate import Speculator, parse_speculative
 from graphkiln.runtime.request.tokenizer import IncrementalDetokenizer
 from graphkiln.runtime.requests import GenerationConfig, GenerationResult, TokenEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from graphkiln.runtime.request.constraint import Constraint
-    from graphkiln.runtime.request.speculate import Speculator
     from graphkiln.runtime.request.prepare import Prepared, Preparer
     from graphkiln.runtime.request.scheduler import RequestHandle
 
@@ -115,10 +115,9 @@ def make_request(prep: "Preparer", index: int, prepared: "Prepared", cfg: Genera
                      images=prepared.images, image_positions=prepared.image_positions, layout=prepared.layout,
                      cfg=cfg, params=params, stop_ids=frozenset(cfg.stop_token_ids),
                      image_spans=prepared.image_spans, constraint=constraint)
-    if cfg.speculative is not None and prep.speculates and r.folds and not cfg.return_hidden_states:
-        from graphkiln.runtime.request.speculate import Speculator, parse_speculative
-
-        r.speculator = Speculator(parse_speculative(cfg.speculative))
+    setting = parse_speculative(cfg.speculative)
+    if setting is not None and prep.speculates and constraint is None and not cfg.return_hidden_states:
+        r.speculator = Speculator(setting[1], setting[0])
     return r
 
 

@@ -46,6 +46,14 @@ def select_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         if not np.isfinite(logits[token]):
             raise NonFiniteLogits(token)
         return token
+    probs = probabilities(logits, params)
+    return int(rng.choice(probs.shape[-1], p=probs))
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a sampled request draws its next token from (temperature, then top-k,
+    then top-p), float64 summing to 1; speculative sampling (``request.speculate``) accepts and
+    resamples against exactly this distribution. Raises ``NonFiniteLogits`` as ``select_token``."""
     top = logits.max()
     if not np.isfinite(top):
         raise NonFiniteLogits(top)
@@ -67,7 +75,7 @@ def select_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         keep[order[:cut]] = True
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
-    return int(rng.choice(probs.shape[-1], p=probs))
+    return probs
 
 
 def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:

@@ -230,6 +230,8 @@ class Scheduler:
                         raise
                     slots //= 2
         self._total_slots = pool.slots
+        if self.engine.draft is not None:  # a draft model's cache beside each slot (runtime.draft_model)
+            self.engine.draft.reserve(pool.slots, capacity)
         self._thread = threading.Thread(target=self._loop, name="graphkiln-scheduler", daemon=True)
         self._thread.start()
 

@@ -1,22 +1,36 @@
-"""Speculative decoding with prompt-lookup (n-gram) drafts: propose, verify in one graph call, accept.
+"""Speculative decoding: propose k draft tokens, verify them in one graph run of the row, accept.
 
-Draft (``ngram_draft``): the longest suffix of the sequence (n = max_ngram down to 1 tokens) that
-occurred earlier, and the k tokens that followed its latest earlier occurrence (vLLM's and
-onnxruntime-genai's prompt lookup). No second model.
+Drafts come from one of two sources:
+  ``ngram``  prompt lookup (``ngram_draft``): the longest suffix of the sequence (3 down to 2
+             tokens) that occurred earlier, and the k tokens that followed its latest earlier
+             occurrence (vLLM's and onnxruntime-genai's prompt lookup). No second model.
+  ``draft``  a smaller artifact of the same tokenizer (``runtime.draft_model``): k steps of it
+             from its own cache, greedy or sampled with the request's own settings.
 
-Verify: the row's step feeds its last token and the k drafts at once, with logits at every one of
-the k+1 positions (the graph's folded argmax, ``next_token``). Greedy acceptance keeps the longest
-prefix of drafts equal to the argmax at the position before each, then the argmax after the last
-accepted one (always one new token, so a step never yields less than plain decoding). The result
-is exactly plain greedy decoding: each committed token is the argmax given the committed tokens.
+Verify: the row's run feeds its last token and the k drafts at once, with logits (or, for a
+greedy row that needs no logits, the graph's folded argmax) at each of the k+1 positions.
+onnxruntime's GroupQueryAttention takes several new tokens onto a filled cache only for a batch
+of one, so each speculating row is verified in a run of its own (``request.step``).
 
-Roll back: KV rows are stored at cache position == token position and read only below each row's
-start, so the rows of rejected drafts are never read and the next step overwrites them: nothing
-to undo. Per-slot recurrent or conv state would have consumed the rejected drafts too, so
-artifacts with slot states do not speculate (yet).
+Accept (``accept``): greedy keeps the longest prefix of drafts equal to the argmax before each,
+then the argmax after the last accepted one, which is exactly plain greedy decoding. Sampled rows
+use the standard rejection rule (Leviathan et al. 2023, Chen et al. 2023): draft d at position
+i is kept with probability min(1, p_i(d) / q_i(d)), p the request's own sampling distribution
+(``sampling.probabilities``) and q the draft's (a point mass for prompt lookup); the first
+rejected one is replaced by a sample from max(0, p_i - q_i), renormalised; if all k are kept,
+one more is drawn from p_k. Each committed token is then distributed exactly as in plain
+sampling (the random draws differ, so a seed gives other samples than without speculation).
+A step always commits at least one token.
 
-Adaptive: a request whose recent drafts are mostly rejected stops proposing for a while
-(``Speculator``), so free-form text pays little for the attempt.
+Roll back: KV rows are stored at cache position == token position and read only below each
+row's start, so the rows of rejected drafts are never read and later runs overwrite them.
+Conv and recurrent slot states have consumed the rejected drafts too: the step snapshots the
+row's slot states before the run and, when a draft was rejected, restores them and runs the
+accepted tokens again (``request.step``), which costs a second run of the row only on rejection.
+
+Adaptive (``Speculator``): a request whose recent drafts are mostly rejected proposes fewer,
+then pauses; with other rows decoding, a row is verified apart only when its recent acceptance
+promises more tokens than the run it adds costs.
 """
 
 from __future__ import annotations
@@ -28,15 +42,18 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 
 
-def parse_speculative(text: str | None) -> int | None:
-    """``"ngram"`` / ``"ngram:K"`` -> K draft tokens (default 4); None stays None."""
-    if text is None:
+SOURCES = ("ngram", "draft")
+
+
+def parse_speculative(text: str | None) -> tuple[str, int] | None:
+    """``"ngram[:K]"`` / ``"draft[:K]"`` -> (source, K draft tokens, default 4); None and "off" -> None."""
+    if text is None or text == "off":
         return None
     kind, _, k = str(text).partition(":")
-    if kind != "ngram" or (k and not (k.isdigit() and 1 <= int(k) <= 16)):
-        raise GraphkilnError(f"speculative {text!r} is not supported: use 'ngram' or 'ngram:K' with K from 1 to 16 "
-                             "(prompt-lookup drafts)")
-    return int(k) if k else 4
+    if kind not in SOURCES or (k and not (k.isdigit() and 1 <= int(k) <= 16)):
+        raise GraphkilnError(f"speculative {text!r} is not supported: use 'ngram[:K]' (prompt-lookup drafts), "
+                             "'draft[:K]' (a draft model's) with K from 1 to 16, or 'off'")
+    return kind, int(k) if k else 4
 
 
 def ngram_draft(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
@@ -60,32 +77,93 @@ def ngram_draft(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 
 
 
 @dataclass
+class Proposal:
+    """A row's drafts and, for sampled drafts of a draft model, the distribution each was drawn
+    from ([k, vocab]); None: point drafts (q(d) = 1: prompt lookup, greedy draft models)."""
+
+    tokens: list[int]
+    q: np.ndarray | None = None
+
+
+def accept(p: np.ndarray, proposal: Proposal, rng: np.random.Generator) -> list[int]:
+    """The tokens a sampled row commits after verification: p [k+1, vocab] its sampling
+    distribution at each verified position (float64, rows summing to 1); the rejection rule of
+    the module docstring. Between 1 and k+1 tokens."""
+    chosen: list[int] = []
+    for i, d in enumerate(proposal.tokens):
+        q_d = 1.0 if proposal.q is None else float(proposal.q[i, d])
+        if rng.random() * q_d < p[i, d]:  # probability min(1, p/q): q_d > 0, the draft was drawn from it
+            chosen.append(d)
+            continue
+        if proposal.q is None:
+            residual = p[i].copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p[i] - proposal.q[i], 0.0)
+        total = residual.sum()
+        # zero only when p <= q everywhere, i.e. p == q: a rejection then had probability 0
+        chosen.append(int(rng.choice(len(residual), p=residual / total)) if total > 0 else int(rng.choice(len(p[i]), p=p[i])))
+        return chosen
+    chosen.append(int(rng.choice(p.shape[-1], p=p[-1])))
+    return chosen
+
+
+def accept_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a greedy row commits: the drafts equal to the argmax before each, then the argmax after."""
+    n = 0
+    while n < len(drafts) and argmax[n] == drafts[n]:
+        n += 1
+    return argmax[: n + 1]
+
+
+@dataclass
 class Speculator:
-    """One request's speculation: k drafts per step, and the recent acceptance that turns it off
-    for a while when drafts keep failing (below ``min_rate`` over the last ``window`` proposals:
-    off for ``pause`` steps)."""
+    """One request's speculation: ``k`` drafts per step from ``source``, and the recent acceptance
+    that shortens them, pauses the request for a while when they keep failing (below
+    ``min_rate`` over the last ``window`` proposals: off for ``pause`` steps), and decides whether
+    verifying the row apart from a batch is worth its run (``worth``). A draft model's cache of
+    this request is ``draft_slot`` (claimed on the first proposal, released with the request)
+    holding its first ``draft_done`` tokens."""
 
     k: int
+    source: str = "ngram"
     window: int = 8
     min_rate: float = 0.2
     pause: int = 16
     proposed: int = 0
     accepted: int = 0
+    steps: int = 0  # verification runs
     history: list[tuple[int, int]] = field(default_factory=list)
     paused: int = 0
+    draft_slot: int | None = None
+    draft_done: int = 0
 
-    def draft(self, tokens: list[int], room: int) -> list[int]:
+    def size(self, room: int) -> int:
+        """How many drafts to propose now (0: not this step)."""
         if self.paused:
             self.paused -= 1
-            return []
+            return 0
         # recent drafts mostly rejected: shorter ones (a verification step costs more per token)
         recent = sum(p for p, _ in self.history)
         k = self.k if not recent or 2 * sum(a for _, a in self.history) >= recent else max(2, self.k // 2)
-        return ngram_draft(tokens, min(k, room))
+        return max(0, min(k, room))
+
+    def worth(self, rows: int) -> bool:
+        """Whether verifying this row in a run of its own beats leaving it in a decode run of
+        ``rows`` rows. Decode on a CPU reads every weight once per run whatever its rows, so taking
+        the row out costs about one run, which the batch spends on ``rows`` tokens: worth it when
+        more drafts than that are expected to be accepted (its recent rate; a first try is
+        granted at half the drafts)."""
+        if rows <= 1:
+            return True
+        proposed = sum(p for p, _ in self.history)
+        expected = self.k * (sum(a for _, a in self.history) / proposed if proposed else 0.5)
+        return expected > rows
 
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
+        self.steps += 1
         self.history = (self.history + [(proposed, accepted)])[-self.window:]
         p = sum(a for a, _ in self.history)
         if len(self.history) == self.window and sum(b for _, b in self.history) < self.min_rate * p:

@@ -52,7 +52,8 @@ from graphkiln.runtime.request.prefix import PrefixCache
 from graphkiln.runtime.request.prepare import Preparer
 from graphkiln.runtime.request.commit import commit, finish_cancelled, score_prompt
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState
-from graphkiln.runtime.request.sampling import NonFiniteLogits, select_token
+from graphkiln.runtime.request.sampling import NonFiniteLogits, probabilities, select_token
+from graphkiln.runtime.request.speculate import Proposal, accept, accept_greedy, ngram_draft
 from graphkiln.runtime.requests import TokenEvent
 
 
@@ -201,7 +202,7 @@ class StepBatch:
         in an earlier one; the two ranges are different slots and the prefill's inputs do not
         depend on the decode's tokens, so the results are the same. A local runner reuses its
         output buffers, so each run is consumed before the next starts."""
-        runs = ([self._decode_run(plan)] if plan.decode else []) + ([self._prefill_run(plan)] if plan.prefill else [])
+        runs = (self._decode_runs(plan) if plan.decode else []) + ([self._prefill_run(plan)] if plan.prefill else [])
         decoder = self.runner
         if hasattr(decoder, "submit"):
             pending = [decoder.submit(self.pool, *args, **kwargs) for args, kwargs, _ in runs]
@@ -213,16 +214,47 @@ class StepBatch:
             stepped += finish(out)
         return stepped
 
-    def _decode_run(self, plan: Plan):
-        """(args, kwargs, finish) of the decode rows' run: one token each, slots [0, d); a lone
-        speculating row verifies its drafts in the same run (``_speculative_run``)."""
+    def _decode_runs(self, plan: Plan) -> list:
+        """The decode rows' runs, each (args, kwargs, finish): a row that speculates this step
+        verifies its drafts in a run of its own (``_speculative_run``: onnxruntime's attention
+        takes several tokens onto a filled cache for one row only), the others decode one token
+        each in one run per contiguous range of their slots."""
         reqs = plan.decode
+        proposals = {r.slot: self._propose(r, len(reqs)) for r in reqs if r.speculator is not None}
+        runs, group = [], []
+        for r in reqs:
+            proposal = proposals.get(r.slot)
+            if proposal is None or not proposal.tokens:
+                group.append(r)
+                continue
+            if group:
+                runs.append(self._decode_run(group))
+                group = []
+            runs.append(self._speculative_run(r, proposal))
+        if group:
+            runs.append(self._decode_run(group))
+        return runs
+
+    def _propose(self, r: RequestState, rows: int) -> Proposal | None:
+        """Request r's drafts for this step (``request.speculate``), or None: not worth a run of
+        its own among ``rows`` decode rows, paused, or no room left."""
+        spec = r.speculator
+        if not spec.worth(rows):
+            return None
+        sequence = r.prompt_ids + r.tokens
+        room = r.budget - len(r.tokens) - 1  # the token chosen after the drafts needs a place too
+        if spec.source == "draft":
+            room = min(room, self.prep.draft.room(len(sequence)))
+        k = spec.size(room)
+        if k <= 0:
+            return None
+        if spec.source == "ngram":
+            return Proposal(ngram_draft(sequence, k))
+        return self.prep.draft.propose(spec, sequence, k, r.params, r.rng)
+
+    def _decode_run(self, reqs: list[RequestState]):
+        """(args, kwargs, finish) of a run of decode rows, one token each, over their slots (contiguous)."""
         n = len(reqs)
-        if n == 1 and reqs[0].speculator is not None and self.folded:
-            r = reqs[0]
-            draft = r.speculator.draft(r.prompt_ids + r.tokens, r.budget - len(r.tokens) - 1)
-            if draft:
-                return self._speculative_run(r, draft)
         tokens = np.array([[r.tokens[-1]] for r in reqs], np.int64)
         positions = np.array([[r.position - 1] for r in reqs], np.int64)
         fold = self.folded and all(r.folds for r in reqs)
@@ -242,33 +274,60 @@ class StepBatch:
             return list(reqs)
 
         args = (tokens, positions, np.zeros((n, 1), np.int64), np.ones(n, np.int64))
-        return args, self._run_kwargs(extra, None, 0, fold, hidden), finish
+        return args, self._run_kwargs(extra, None, reqs[0].slot, fold, hidden), finish
 
-    def _speculative_run(self, r: RequestState, draft: list[int]):
-        """(args, kwargs, finish) of one row's run over its last token and ``draft``: the argmax at
-        each of the k+1 positions; commits the drafts that match it, then one more (see
-        ``request.speculate``)."""
-        k = len(draft)
+    def _speculative_run(self, r: RequestState, proposal: Proposal):
+        """(args, kwargs, finish) of one row's run over its last token and its k drafts, with the
+        argmax (greedy, no logits wanted) or logits at each of the k+1 positions; commits the
+        drafts it accepts and one more (``request.speculate``). Slot states (conv, recurrent) are
+        snapshotted first and, when a draft is rejected, restored and advanced over the accepted
+        tokens by a second run (KV rows need nothing: position alone rolls them back)."""
+        draft, spec = proposal.tokens, r.speculator
+        k, slot, length = len(draft), r.slot, r.position
         tokens = np.array([[r.tokens[-1], *draft]], np.int64)
-        positions = np.arange(r.position - 1, r.position + k, dtype=np.int64)[None, :]
-        extra = self.prep.extra([r], positions[:, 0], k + 1)
+        positions = np.arange(length - 1, length + k, dtype=np.int64)[None, :]
+        fold = self.folded and r.folds
+        saved = self.pool.snapshot_slot_states(slot) if self.prep.slot_states else None
 
         def finish(out) -> list[RequestState]:
-            chosen = [int(t) for t in out[0]]
-            accepted = 0
-            while accepted < k and chosen[accepted] == draft[accepted]:
-                accepted += 1
-            r.speculator.record(k, accepted)
-            for token in chosen[: accepted + 1]:
-                self._choose(r, token, True)
+            logits = None if fold else out[0]  # [k+1, vocab], a view of the runner's buffer
+            try:
+                if fold or r.params.greedy:
+                    argmax = out[0] if fold else logits.argmax(axis=-1)
+                    chosen = accept_greedy([int(t) for t in argmax], draft)
+                    if chosen[-1] < 0 or (logits is not None and not np.isfinite(logits[len(chosen) - 1, chosen[-1]])):
+                        raise NonFiniteLogits(chosen[-1])
+                else:
+                    p = np.stack([probabilities(row, r.params) for row in logits])
+                    chosen = accept(p, proposal, r.rng)
+            except NonFiniteLogits:
+                r.error = NonFiniteLogitsError(r.index, len(r.tokens) + 1)
+                r.finish_reason = "error"
+                return [r]
+            accepted = len(chosen) - 1
+            spec.record(k, accepted)
+            if spec.source == "draft":  # the draft's cache stays valid up to the last accepted draft
+                spec.draft_done = min(spec.draft_done, length + accepted)
+            for i, token in enumerate(chosen):
+                commit(r, token, None if logits is None else logits[i])
+                self.generated_tokens += 1
                 if r.finish_reason is not None:
                     break
+            if saved is not None and accepted < k and r.finish_reason is None:
+                # after the commits: this run reuses the runner's output buffers (``logits``)
+                self.pool.restore_slot_states(slot, saved)
+                m = accepted + 1
+                self.runner.run(self.pool, tokens[:, :m], positions[:, :m], np.array([[m - 1]], np.int64),
+                                np.array([m], np.int64),
+                                **self._run_kwargs(self.prep.extra([r], positions[:, 0], m), None, slot, self.folded, False))
             if self.prefix is not None:
                 self.prefix.remember(r)
             return [r]
 
-        args = (tokens, positions, np.arange(k + 1, dtype=np.int64)[None, :], np.array([k + 1], np.int64))
-        return args, self._run_kwargs(extra, None, 0, True, False), finish
+        logits_index = np.arange(k + 1, dtype=np.int64)[None, :]
+        extra = self.prep.extra([r], positions[:, 0], k + 1)
+        args = (tokens, positions, logits_index, np.array([k + 1], np.int64))
+        return args, self._run_kwargs(extra, None, slot, fold, False), finish
 
     def _prefill_run(self, plan: Plan):
         """(args, kwargs, finish) of the prefill rows' run: one chunk each, slots after the decode rows."""
@@ -413,5 +472,7 @@ class StepBatch:
         self._release_adapter(r)
         if r.constraint is not None:
             r.constraint.close()
+        if r.speculator is not None and self.prep.draft is not None:
+            self.prep.draft.release(r.speculator)
 
 
