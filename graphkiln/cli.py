@@ -216,7 +216,8 @@ def _generation_config(args, logprobs: int | None = None):
         do_sample=True if sampling else (False if args.greedy else None),
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop_strings=tuple(args.stop or ()), logprobs=logprobs,
-        stop_token_ids=() if args.ignore_eos else None, speculative=args.speculative,
+        stop_token_ids=() if args.ignore_eos else None,
+        speculative=args.speculative if args.speculative is not None or args.draft is None else "draft",
     )
 
 
@@ -225,7 +226,8 @@ def _load_engine(args):
     from graphkiln.runtime import Engine
 
     return Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
-                       backend=args.backend, device=args.device, distributed=_distributed(args), **_prefix_kwargs(args))
+                       backend=args.backend, device=args.device, distributed=_distributed(args), draft=args.draft,
+                       **_prefix_kwargs(args))
 
 
 def _add_generation_flags(p) -> None:
@@ -238,14 +240,17 @@ def _add_generation_flags(p) -> None:
     p.add_argument("--greedy", action="store_true", help="force greedy even if the artifact defaults to sampling")
     p.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop on the artifact's EOS tokens")
-    p.add_argument("--speculative", default=None, metavar="ngram[:K]",
-                   help="speculative decoding with K prompt-lookup draft tokens per step (default 4), verified in one "
-                        "step: the same greedy output, faster on text that repeats its prompt (greedy, KV-only models)")
+    p.add_argument("--speculative", default=None, metavar="ngram[:K]|draft[:K]",
+                   help="speculative decoding, K drafts per step (default 4) verified in one run: prompt lookup "
+                        "(faster on text that repeats its prompt) or the --draft model's; greedy output is unchanged, "
+                        "sampled output keeps its distribution")
 
 
 def _add_engine_flags(p) -> None:
     """Which artifact graph runs, where and how: run's and chat's (``_load_engine`` reads them)."""
     p.add_argument("--threads", type=_int_at_least(1), default=None)
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="a draft artifact of the same tokenizer (a smaller or int4 export) for --speculative draft")
     _add_prefix_flags(p)
     _add_batched_int8_flag(p)
     p.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
@@ -399,7 +404,8 @@ def _serve(args) -> int:
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
         distributed=_distributed(args), log_level=args.log_level, lora=_lora_pairs(args.lora),
-        lora_updates=args.allow_lora_updates, **_prefix_kwargs(args)))
+        lora_updates=args.allow_lora_updates, speculative=args.speculative, draft=args.draft,
+        **_prefix_kwargs(args)))
 
 
 def _lora_pairs(pairs) -> tuple[tuple[str, str], ...]:
@@ -639,6 +645,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let clients holding the API key load and unload adapters while serving (POST "
                         "/v1/load_lora_adapter, /v1/unload_lora_adapter: a directory on this server's file system); "
                         "off by default, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    s.add_argument("--speculative", default=None, metavar="ngram[:K]|draft[:K]",
+                   help="requests' default speculative decoding, K drafts per step (default 4): prompt lookup or the "
+                        "--draft model's; a request's 'speculative' field (ngram[:K], draft[:K], off) overrides it; "
+                        "greedy output is unchanged, sampled output keeps its distribution")
+    s.add_argument("--draft", default=None, metavar="DIR",
+                   help="load a draft artifact of the same tokenizer (a smaller or int4 export) for draft "
+                        "speculation; without --speculative, requests default to it")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_serve)
 

@@ -118,6 +118,12 @@ def test_greedy_draft_model_equals_plain_decoding(drafted, name):
     b = engine.generate(prompts[0], dataclasses.replace(lp, speculative="draft:4"))[0]
     assert a.token_ids == b.token_ids
     np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in b.logprobs], atol=1e-4)
+    # a draft that is the target itself is always right: every step commits k+1 tokens (its cache kept in step)
+    if name == "llama_tok":
+        same = Engine.load(case.artifact, threads=1, draft=case.artifact)
+        runs = counted_runs(same)
+        out = same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))[0]
+        assert out.token_ids == plain[0] and len(runs) == 1 + -(-47 // 5), runs
     # a Scheduler (continuous batching, a draft slot per request) gives the same tokens too
     from graphkiln.runtime.request.scheduler import Scheduler
 

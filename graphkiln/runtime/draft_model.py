@@ -19,6 +19,7 @@ rejection rule).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ class DraftModel:
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
         self.folded = bool(getattr(runner, "has_next_token", False))
         self.owners: list[Speculator | None] = []  # by draft slot: whose cache it holds
+        self.step_s: float | None = None  # a moving average of the seconds of a one-token draft run
 
     @classmethod
     def load(cls, artifact_dir: str | Path, target: Manifest, threads: int | None = None,
@@ -59,7 +61,9 @@ class DraftModel:
         problem = _mismatch(manifest, target)
         if problem:
             raise GraphkilnError(f"draft {root} cannot draft for this artifact: {problem}")
-        runner, pool = open_backend(root, manifest, "onnxruntime", "cpu", threads, manifest_digest=digest)
+        # its threads sleep between runs: spinning, they took the target's cores (measured on 2 cores: a
+        # draft step 2.6x slower); the target's spin, which is what keeps its decode fast (sleeping: 0.7x)
+        runner, pool = open_backend(root, manifest, "onnxruntime", "cpu", threads, manifest_digest=digest, spinning=False)
         return cls(root, manifest, runner, pool)
 
     # -- slots ----------------------------------------------------------------------------
@@ -101,11 +105,15 @@ class DraftModel:
         qs: list[np.ndarray] = []
         feed = sequence[spec.draft_done:]
         pos = spec.draft_done
+        started = None
         while True:
             for at in range(0, len(feed), CATCH_UP_CHUNK):
                 part = feed[at: at + CATCH_UP_CHUNK]
                 out = self._run(spec.draft_slot, part, pos, greedy)
                 pos += len(part)
+            if started is not None:  # a one-token step (catching up is not what a draft token costs)
+                took = time.perf_counter() - started
+                self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
             if greedy:
                 token = int(out[0, 0]) if self.folded else int(np.argmax(out[0, 0]))
                 if token < 0 or (not self.folded and not np.isfinite(out[0, 0, token])):
@@ -118,6 +126,7 @@ class DraftModel:
             if len(drafts) == k:
                 break
             feed = [token]
+            started = time.perf_counter()
         spec.draft_done = pos
         return Proposal(drafts, np.stack(qs)[: len(drafts)] if qs else None)
 

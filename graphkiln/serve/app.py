@@ -40,6 +40,12 @@ request that reached its stop or length first finishes with that reason, never "
 client that hung up sees nothing; the Python API's ``TokenEvent`` keeps "cancelled", and so does
 the ``graphkiln_requests_finished_total{reason}`` metric.
 
+Speculative decoding: a request's ``speculative`` (graphkiln's extension: "ngram[:K]",
+"draft[:K]", "off"), else the server's ``--speculative`` (``AppOptions.speculative``), becomes
+the config's ``speculative``; a value the engine refuses, or "draft" on a server without
+``--draft``, is a 400 whose ``param`` is "speculative", before anything is queued. Greedy
+output is the same with it or without; sampled output keeps its distribution.
+
 LoRA adapters (an artifact exported with ``--lora-rank``): a request's ``model`` is the base
 model's name or a loaded adapter's, which becomes ``GenerationConfig(adapter=...)``; the engine's
 ``adapter_names()`` is what is served. Loads and unloads through the routes run in a worker
@@ -100,6 +106,9 @@ class AppOptions:
     # the load/unload routes read a directory on this machine that the client names: open only when
     # the operator says so (serve --allow-lora-updates), as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
     lora_updates: bool = False
+    # requests' default speculative decoding, already checked (serve --speculative/--draft:
+    # server.default_speculation); None: off unless a request asks
+    speculative: str | None = None
 
 
 class ApiError(Exception):
@@ -389,7 +398,7 @@ def _prepare_completion(state: ServerState, body: bytes):
     req = _parse(S.CompletionRequest, body)
     adapter = state.resolve_model(req.model)
     constraint = _constraint(req, state)
-    config = _config(req, req.max_tokens, req.logprobs, adapter, constraint)
+    config = _config(req, req.max_tokens, req.logprobs, adapter, constraint, _speculation(req, state))
     if req.echo and req.logprobs is not None:  # the prompt's own, from the prefill that runs it
         config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
     ready = []
@@ -417,7 +426,8 @@ def _prepare_chat(state: ServerState, body: bytes):
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     constraint = _constraint(req, state)
-    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter, constraint)
+    config = _config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter, constraint,
+                     _speculation(req, state))
     try:
         text = state.chat.render([m.for_template() for m in req.messages])
     except ChatTemplateError as exc:
@@ -579,13 +589,25 @@ def _constraint(req: S._Sampling, state: ServerState) -> S.OutputConstraint | No
     return found[0] if found else None
 
 
+def _speculation(req: S._Sampling, state: ServerState) -> str | None:
+    """The request's speculative decoding (None: off): its own ``speculative`` (the schema has
+    checked it), else the server's default; draft drafts on a server without a draft model are a
+    400 here, as the engine would refuse them only once submitted."""
+    value = req.speculative if req.speculative is not None else state.options.speculative
+    if value is not None and value.startswith("draft") and state.engine.draft is None:
+        raise ApiError(400, f"speculative '{value}' needs a draft model and this server has none: start it with "
+                            "--draft DIR, or send 'ngram[:K]' or 'off'", param="speculative", code="no_draft_model")
+    return None if value == "off" else value
+
+
 def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None, adapter: str | None = None,
-            constraint: S.OutputConstraint | None = None) -> GenerationConfig:
+            constraint: S.OutputConstraint | None = None, speculative: str | None = None) -> GenerationConfig:
     """OpenAI's parameters as a GenerationConfig. Temperature 0 is greedy; any sampling field asks
     for sampling; none leaves the artifact's defaults. Without a seed each request gets a random
     one (OpenAI's behaviour: unseeded requests differ). ``adapter``: the LoRA adapter the request's
     ``model`` named (None: the base model). ``constraint`` (``_constraint``: response_format,
-    vLLM's guided_* or structured_outputs) sets the config's json_schema, regex or grammar."""
+    vLLM's guided_* or structured_outputs) sets the config's json_schema, regex or grammar;
+    ``speculative`` (``_speculation``) the config's speculative decoding."""
     sampling = (req.temperature is not None and req.temperature > 0) or (
         req.temperature is None and (req.top_p is not None or req.top_k is not None))
     extra = {constraint.field: constraint.value} if constraint is not None else {}
@@ -595,7 +617,7 @@ def _config(req: S._Sampling, max_tokens: int | None, logprobs: int | None, adap
             temperature=req.temperature if sampling else None, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed if req.seed is not None else secrets.randbits(63), stop_strings=req.stop_strings,
             logprobs=logprobs, stop_token_ids=() if req.ignore_eos else None,
-            adapter=adapter, **extra)
+            adapter=adapter, speculative=speculative, **extra)
     except GraphkilnError as exc:
         if constraint is not None and str(exc).startswith(constraint.field):
             raise _refused_constraint(exc, constraint) from None

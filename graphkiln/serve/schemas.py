@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
                       model_validator)
 
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.request.speculate import parse_speculative
+
 # OpenAI's own bounds, where it has them (temperature 0..2, top_logprobs 0..20, 4 stop strings).
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -137,6 +140,18 @@ class _Sampling(BaseModel):
     guided_regex: NonEmpty | None = None
     guided_grammar: NonEmpty | None = None
     structured_outputs: StructuredOutputs | None = None
+    # graphkiln extension: this request's speculative decoding, over the server's --speculative
+    # (runtime.request.speculate); greedy output is the same with it, sampled keeps its distribution
+    speculative: Annotated[StrictStr, Field(max_length=16, examples=["ngram:4", "draft", "off"])] | None = None
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculation(cls, v):
+        try:
+            parse_speculative(v)
+        except GraphkilnError as exc:  # pydantic reports ValueErrors as the field's error
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

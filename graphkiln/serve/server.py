@@ -1,6 +1,7 @@
 """``graphkiln serve``: load an artifact, start the scheduler, run the app on uvicorn, drain on exit.
 
-Lifecycle: ``Engine.load`` (every file's sha256 checked) -> the ``--lora`` adapters loaded
+Lifecycle: ``--speculative`` checked (``default_speculation``) -> ``Engine.load`` (every file's
+sha256 checked; ``--draft``'s too) -> the ``--lora`` adapters loaded
 (``load_adapters``) -> ``Scheduler`` -> listening socket bound here (so an address in use or a
 privileged port is one error line, and port 0 works) -> ``scheduler.start()`` -> uvicorn serves
 until SIGTERM / SIGINT (or ``should_exit`` when run in a thread, as the tests do). Shutdown
@@ -47,6 +48,8 @@ class ServeConfig:
     batched_int8: bool = False  # --batched-int8: quantized artifacts' batched-step graph (graphkiln.batched_int8)
     lora: tuple[tuple[str, str], ...] = ()  # --lora NAME=DIR: (name, adapter directory), loaded at startup
     lora_updates: bool = False  # --allow-lora-updates: the load/unload routes are open (API key still needed)
+    speculative: str | None = None  # --speculative ngram[:K]|draft[:K]|off: requests' default (default_speculation)
+    draft: str | None = None  # --draft DIR: the draft artifact loaded into the engine (runtime.draft_model)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -149,6 +152,23 @@ def load_adapters(engine, adapters, served_name: str) -> tuple[tuple[str, str], 
     return adapters
 
 
+def default_speculation(speculative: str | None, draft: str | None) -> str | None:
+    """Requests' default ``speculative`` (a request's own field overrides it): ``--speculative``,
+    else "draft" when ``--draft`` loads one, else none; "off" is None. A value the engine refuses,
+    or draft drafts without ``--draft``, is one GraphkilnError line, before anything is loaded."""
+    from graphkiln.runtime.request.speculate import parse_speculative
+
+    value = speculative if speculative is not None or draft is None else "draft"
+    try:
+        setting = parse_speculative(value)
+    except GraphkilnError as exc:
+        raise GraphkilnError(f"--{exc}") from None  # the engine's line names the config field: "speculative ..."
+    if setting is not None and setting[0] == "draft" and draft is None:
+        raise GraphkilnError(f"--speculative {value} drafts with a draft model: load one with --draft DIR (an "
+                             "artifact of the same tokenizer, e.g. an int4 export), or use ngram[:K]")
+    return value if setting is not None else None
+
+
 def serve(cfg: ServeConfig) -> int:
     from graphkiln.runtime import Engine
     from graphkiln.runtime.request.scheduler import Scheduler
@@ -156,21 +176,23 @@ def serve(cfg: ServeConfig) -> int:
 
     name = cfg.model_name or Path(cfg.artifact).resolve().name
     check_adapter_names(cfg.lora, name)
+    speculative = default_speculation(cfg.speculative, cfg.draft)
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
-                             prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8)
+                             prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8,
+                             draft=cfg.draft)
         adapters = load_adapters(engine, cfg.lora, name)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
         sock.close()
         raise
     server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key, lora_adapters=adapters,
-                                                       lora_updates=cfg.lora_updates),
+                                                       lora_updates=cfg.lora_updates, speculative=speculative),
                          drain_s=cfg.drain_s, log_level=cfg.log_level)
     scheduler.start()  # sizes the slots, before they are reported
-    announce(cfg, name, sock, scheduler.stats().total_slots)
+    announce(cfg, name, sock, scheduler.stats().total_slots, speculative)
     try:
         server.run(sockets=[sock])
     finally:
@@ -181,7 +203,7 @@ def serve(cfg: ServeConfig) -> int:
     return 0
 
 
-def announce(cfg: ServeConfig, name: str, sock: socket.socket, slots: int) -> None:
+def announce(cfg: ServeConfig, name: str, sock: socket.socket, slots: int, speculative: str | None = None) -> None:
     """The startup lines on stderr: a warning when listening beyond loopback without a key, then
     the base URL (an IPv6 literal in brackets, as URLs write it)."""
     host, port = sock.getsockname()[:2]
@@ -189,8 +211,10 @@ def announce(cfg: ServeConfig, name: str, sock: socket.socket, slots: int) -> No
         print(f"warning: serving on {_url_host(cfg.host)} without an API key: anyone who can reach it can use it "
               "(set --api-key or GRAPHKILN_API_KEY)", file=sys.stderr)
     adapters = f", LoRA adapters {', '.join(repr(n) for n, _ in cfg.lora)}" if cfg.lora else ""
+    spec = f", speculative {speculative}" if speculative else ""
     print(f"graphkiln serve: model '{name}' on http://{_url_host(host)}:{port}/v1 ({slots} slots, "
-          f"queue {cfg.max_queue}{adapters}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+          f"queue {cfg.max_queue}{adapters}{spec}{', API key required' if cfg.api_key else ''})", file=sys.stderr,
+          flush=True)
 
 
 def _url_host(host: str) -> str:

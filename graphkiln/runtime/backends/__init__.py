@@ -37,13 +37,15 @@ def check_choice(backend: object, device: object, target: object) -> None:
 
 def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: str, threads: int | None,
                  target: str | None = None, distributed=None, manifest_digest: str | None = None,
-                 batched_int8: bool = False):
+                 batched_int8: bool = False, spinning: bool = True):
     """The (step runner, state pool) for ``backend`` on ``device``. ``target`` picks the graph
     lowered for that target (default: the one the backend runs best, ``Manifest.graph_for``).
     ``distributed`` ("ray" or a ``runtime.backends.distributed.RayOptions``): a staged artifact's stages
     each in a Ray actor (``runtime.backends.distributed``) instead of chained in this process.
     ``batched_int8``: steps of many token rows run the artifact's batched-step graph
-    (``graphkiln.batched_int8``; onnxruntime on the CPU, quantized single-graph artifacts)."""
+    (``graphkiln.batched_int8``; onnxruntime on the CPU, quantized single-graph artifacts).
+    ``spinning`` False: the CPU graph's threads sleep between runs (``ort_cpu.DecoderGraph``), for
+    a graph that takes turns with another in this process (a speculative draft model's)."""
     if batched_int8:
         check_batched_int8(manifest, backend, device, distributed)
     if manifest.lora is not None and (backend, device) != ("onnxruntime", "cpu"):
@@ -80,7 +82,7 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
         if batched_int8 and batched is None:
             raise GraphkilnError(f"the artifact has no batched-step graph for its {spec.target} decoder graph: "
                                  "load it without batched_int8")
-        return (DecoderGraph(artifact_dir, spec, threads, batched=batched if batched_int8 else None),
+        return (DecoderGraph(artifact_dir, spec, threads, spinning, batched=batched if batched_int8 else None),
                 StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype)))
     if backend == "onnxruntime":
         from graphkiln.runtime.backends.ort_cuda import open_onnxruntime_cuda

@@ -133,20 +133,35 @@ class Speculator:
     proposed: int = 0
     accepted: int = 0
     steps: int = 0  # verification runs
-    history: list[tuple[int, int]] = field(default_factory=list)
+    history: list[tuple[int, int, int]] = field(default_factory=list)
     paused: int = 0
     draft_slot: int | None = None
     draft_done: int = 0
 
-    def size(self, room: int) -> int:
-        """How many drafts to propose now (0: not this step)."""
+    def size(self, room: int, cost: float = 0.0) -> int:
+        """How many drafts to propose now (0: not this step). ``cost``: a draft token's cost in
+        target runs (a draft model's step time over the target's; 0 for prompt lookup). Free
+        drafts: k, halved while fewer than half are accepted. Costly ones: the k that maximises
+        the expected tokens per unit of time, (1 - a^(k+1)) / ((1 - a)(1 + k cost)) with a the
+        recent per-draft acceptance (Leviathan et al. 2023, eq. 1 and theorem 3.8); when no k is
+        expected to beat plain decoding, a pause, then a fresh try."""
         if self.paused:
             self.paused -= 1
             return 0
-        # recent drafts mostly rejected: shorter ones (a verification step costs more per token)
-        recent = sum(p for p, _ in self.history)
-        k = self.k if not recent or 2 * sum(a for _, a in self.history) >= recent else max(2, self.k // 2)
-        return max(0, min(k, room))
+        room = max(0, room)
+        proposed = sum(h[0] for h in self.history)
+        accepted = sum(h[1] for h in self.history)
+        if not proposed:
+            return min(self.k, room)
+        if cost <= 0:  # recent drafts mostly rejected: shorter ones (a verification run costs more per token)
+            return min(self.k if 2 * accepted >= proposed else max(2, self.k // 2), room)
+        a = min(max(accepted / max(1, sum(h[2] for h in self.history)), 0.01), 0.99)
+        gain = {k: (1 - a ** (k + 1)) / ((1 - a) * (1 + k * cost)) for k in range(1, self.k + 1)}
+        best = max(gain, key=gain.get)
+        if gain[best] < 1.0:
+            self.paused, self.history = self.pause, []
+            return 0
+        return min(best, room)
 
     def worth(self, rows: int) -> bool:
         """Whether verifying this row in a run of its own beats leaving it in a decode run of
@@ -156,17 +171,20 @@ class Speculator:
         granted at half the drafts)."""
         if rows <= 1:
             return True
-        proposed = sum(p for p, _ in self.history)
-        expected = self.k * (sum(a for _, a in self.history) / proposed if proposed else 0.5)
+        proposed = sum(h[0] for h in self.history)
+        expected = self.k * (sum(h[1] for h in self.history) / proposed if proposed else 0.5)
         return expected > rows
 
     def record(self, proposed: int, accepted: int) -> None:
+        """One verification's outcome; ``history`` keeps (proposed, accepted, tested) of the last
+        ``window``, tested counting the drafts that were compared (all before the first rejection,
+        and it)."""
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
-        self.history = (self.history + [(proposed, accepted)])[-self.window:]
-        p = sum(a for a, _ in self.history)
-        if len(self.history) == self.window and sum(b for _, b in self.history) < self.min_rate * p:
+        self.history = (self.history + [(proposed, accepted, accepted + (accepted < proposed))])[-self.window:]
+        p = sum(h[0] for h in self.history)
+        if len(self.history) == self.window and sum(h[1] for h in self.history) < self.min_rate * p:
             self.paused, self.history = self.pause, []
 
     @property
