@@ -8,7 +8,8 @@ draft, whose decoder runs are counted (speculation verifies several tokens in on
 request needs fewer runs than tokens), and ``graphkiln serve TARGET --draft DRAFT`` in a
 subprocess, as an operator starts it. Greedy output must equal the same request with "off"
 token for token. Where runs cannot be counted, seeded sampled output must differ from "off" (the
-rejection rule draws other random numbers than plain sampling) and equal an explicit "draft:4".
+rejection rule draws other random numbers than plain sampling). A draft model's draft lengths
+follow measured times, so its sampled output is compared with nothing but "off".
 """
 
 from __future__ import annotations
@@ -204,10 +205,12 @@ def test_draft_is_the_default_with_draft(drafting, case):
     greedy = _complete(client, prompt, n, {}, temperature=0)
     assert greedy == _complete(client, prompt, n, OFF, temperature=0) and len(greedy[0]) == n
     assert greedy == _complete(client, prompt, n, {"speculative": "ngram:4"}, temperature=0)
-    # sampled with one seed: the default is "draft:4" (the same draws), and not plain sampling
-    sampled = _complete(client, prompt, 24, {}, temperature=1.0, seed=11)
-    assert sampled == _complete(client, prompt, 24, {"speculative": "draft:4"}, temperature=1.0, seed=11)
-    assert sampled[0] != _complete(client, prompt, 24, OFF, temperature=1.0, seed=11)[0]
+    # sampled with one seed: speculation draws other random numbers than plain sampling, so the
+    # default's samples differ from "off"'s; prompt lookup finds nothing to propose in this random
+    # text (the same samples as "off"), so the default's drafts are the draft model's
+    plain = _complete(client, prompt, 24, OFF, temperature=1.0, seed=11)
+    assert _complete(client, prompt, 24, {"speculative": "ngram:4"}, temperature=1.0, seed=11) == plain
+    assert _complete(client, prompt, 24, {}, temperature=1.0, seed=11)[0] != plain[0]
     # chat, streamed
     assert _chat(client, "hello there", 30, {}, stream=True, temperature=0) == _chat(client, "hello there", 30, OFF,
                                                                                        temperature=0)
