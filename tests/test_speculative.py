@@ -49,6 +49,22 @@ def test_ngram_draft():
     assert ngram_draft([4, 4, 4, 4], 5) == [4]  # only what followed is proposed
 
 
+def test_draft_length_follows_the_expected_gain():
+    """Speculator.size: (1 - a^(k+1)) / ((1 - a)(1 + k c)) over k, a pause when no k beats 1."""
+    from graphkiln.runtime.request.speculate import Speculator
+
+    s = Speculator(8, "draft")
+    assert s.size(100, 0.2) == 8 and s.size(3, 0.2) == 3  # no history: a first try, within the room
+    for _ in range(3):
+        s.record(8, 8)
+    assert s.size(100, 0.2) == 8  # every draft accepted: the longest
+    s = Speculator(8, "draft")
+    s.record(8, 1)
+    s.record(8, 1)  # 2 accepted of 4 compared: a = 0.5
+    assert s.size(100, 0.05) == 3 and s.size(100, 0.2) in (1, 2)
+    assert s.size(100, 1.0) == 0 and s.paused and not s.history  # a draft as costly as the target: pause
+
+
 @pytest.mark.parametrize("name, target", [("llama_tok", "onnxruntime"), ("llama_tok", "portable"),
                                           ("qwen3_moe", "onnxruntime"), ("lfm2", "onnxruntime"),
                                           ("qwen3_5", "onnxruntime"), ("nemotron_h", "onnxruntime")])
@@ -121,9 +137,14 @@ def test_greedy_draft_model_equals_plain_decoding(drafted, name):
     # a draft that is the target itself is always right: every step commits k+1 tokens (its cache kept in step)
     if name == "llama_tok":
         same = Engine.load(case.artifact, threads=1, draft=case.artifact)
+        assert same.draft.cost == 1.0
+        same.draft.cost = 0.0  # as if free: never worth it otherwise, so it would pause (Speculator.size)
         runs = counted_runs(same)
         out = same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))[0]
         assert out.token_ids == plain[0] and len(runs) == 1 + -(-47 // 5), runs
+    # a seeded sampled request draws the same tokens every time (draft lengths depend on nothing else)
+    sampled = dataclasses.replace(PLAIN, do_sample=True, temperature=0.8, seed=5, speculative="draft:4")
+    assert engine.generate(prompts[0], sampled)[0].token_ids == engine.generate(prompts[0], sampled)[0].token_ids
     # a Scheduler (continuous batching, a draft slot per request) gives the same tokens too
     from graphkiln.runtime.request.scheduler import Scheduler
 

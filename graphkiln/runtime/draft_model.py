@@ -19,7 +19,6 @@ rejection rule).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +41,13 @@ class DraftModel:
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
         self.folded = bool(getattr(runner, "has_next_token", False))
         self.owners: list[Speculator | None] = []  # by draft slot: whose cache it holds
-        self.step_s: float | None = None  # a moving average of the seconds of a one-token draft run
+        # a draft token's cost in target runs (``Speculator.size``): the ratio of the graphs' weight
+        # bytes, what a memory-bound decode step reads; from the files, not from timings, so that the
+        # draft lengths, hence a seeded sampled request's tokens, do not depend on the machine's load
+        self.cost = 0.0
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, target: Manifest, threads: int | None = None,
+    def load(cls, artifact_dir: str | Path, target: Manifest, target_dir: Path, threads: int | None = None,
              check_files: bool = True) -> "DraftModel":
         """Open ``artifact_dir`` as a draft for an artifact whose manifest is ``target``: the same
         tokenizer and vocabulary, KV state only, one decoder graph, run by onnxruntime on the CPU.
@@ -64,7 +66,9 @@ class DraftModel:
         # its threads sleep between runs: spinning, they took the target's cores (measured on 2 cores: a
         # draft step 2.6x slower); the target's spin, which is what keeps its decode fast (sleeping: 0.7x)
         runner, pool = open_backend(root, manifest, "onnxruntime", "cpu", threads, manifest_digest=digest, spinning=False)
-        return cls(root, manifest, runner, pool)
+        draft = cls(root, manifest, runner, pool)
+        draft.cost = _graph_bytes(root, manifest) / max(1, _graph_bytes(target_dir, target))
+        return draft
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -105,15 +109,11 @@ class DraftModel:
         qs: list[np.ndarray] = []
         feed = sequence[spec.draft_done:]
         pos = spec.draft_done
-        started = None
         while True:
             for at in range(0, len(feed), CATCH_UP_CHUNK):
                 part = feed[at: at + CATCH_UP_CHUNK]
                 out = self._run(spec.draft_slot, part, pos, greedy)
                 pos += len(part)
-            if started is not None:  # a one-token step (catching up is not what a draft token costs)
-                took = time.perf_counter() - started
-                self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
             if greedy:
                 token = int(out[0, 0]) if self.folded else int(np.argmax(out[0, 0]))
                 if token < 0 or (not self.folded and not np.isfinite(out[0, 0, token])):
@@ -126,7 +126,6 @@ class DraftModel:
             if len(drafts) == k:
                 break
             feed = [token]
-            started = time.perf_counter()
         spec.draft_done = pos
         return Proposal(drafts, np.stack(qs)[: len(drafts)] if qs else None)
 
@@ -138,6 +137,12 @@ class DraftModel:
         return self.runner.run(self.pool, np.array([tokens], np.int64),
                                np.arange(start, start + n, dtype=np.int64)[None, :],
                                np.array([[n - 1]], np.int64), np.array([n], np.int64), **kwargs)
+
+
+def _graph_bytes(root: Path, manifest: Manifest) -> int:
+    """The size of the decoder graph onnxruntime runs, with its external weights."""
+    file = manifest.graph_for("decoder", "onnxruntime").file
+    return sum((root / name).stat().st_size for name in manifest.files if name == file or name.startswith(file + "."))
 
 
 def _mismatch(draft: Manifest, target: Manifest) -> str | None:

@@ -152,7 +152,7 @@ class Engine:
         if draft is not None:
             from graphkiln.runtime.draft_model import DraftModel
 
-            drafter = DraftModel.load(draft, manifest, threads, check_files)
+            drafter = DraftModel.load(draft, manifest, root, threads, check_files)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8,

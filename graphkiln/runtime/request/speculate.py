@@ -140,7 +140,8 @@ class Speculator:
 
     def size(self, room: int, cost: float = 0.0) -> int:
         """How many drafts to propose now (0: not this step). ``cost``: a draft token's cost in
-        target runs (a draft model's step time over the target's; 0 for prompt lookup). Free
+        target runs (``DraftModel.cost``; 0 for prompt lookup). Depends only on the request's own
+        history, so a seeded sampled request draws the same numbers whatever else runs. Free
         drafts: k, halved while fewer than half are accepted. Costly ones: the k that maximises
         the expected tokens per unit of time, (1 - a^(k+1)) / ((1 - a)(1 + k cost)) with a the
         recent per-draft acceptance (Leviathan et al. 2023, eq. 1 and theorem 3.8); when no k is

@@ -41,7 +41,6 @@ different batch shape).
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,9 +92,6 @@ class StepBatch:
         self.partial: RequestState | None = None
         # the runner can return the graph's argmax instead of logits (DecoderGraph.run tokens_only)
         self.folded = bool(getattr(runner, "has_next_token", False))
-        # speculative decoding: the last local run's seconds, and a moving average over verification runs
-        self.last_run_s = 0.0
-        self.verify_s: float | None = None
         self.prompt_tokens = 0  # prefilled so far (the driver's totals)
         self.generated_tokens = 0
 
@@ -212,18 +208,11 @@ class StepBatch:
             pending = [decoder.submit(self.pool, *args, **kwargs) for args, kwargs, _ in runs]
             outs = (p.result() for p in pending)
         else:
-            outs = (self._timed_run(args, kwargs) for args, kwargs, _ in runs)
+            outs = (decoder.run(self.pool, *args, **kwargs) for args, kwargs, _ in runs)
         stepped: list[RequestState] = []
         for (_, _, finish), out in zip(runs, outs):
             stepped += finish(out)
         return stepped
-
-    def _timed_run(self, args, kwargs):
-        """A local run, its wall time kept in ``last_run_s`` (what a verification costs: ``_propose``)."""
-        started = time.perf_counter()
-        out = self.runner.run(self.pool, *args, **kwargs)
-        self.last_run_s = time.perf_counter() - started
-        return out
 
     def _decode_runs(self, plan: Plan) -> list:
         """The decode rows' runs, each (args, kwargs, finish): a row that speculates this step
@@ -257,8 +246,7 @@ class StepBatch:
         cost = 0.0
         if spec.source == "draft":
             room = min(room, self.prep.draft.room(len(sequence)))
-            if self.verify_s and self.prep.draft.step_s:  # a draft token's cost in verification runs
-                cost = self.prep.draft.step_s / self.verify_s
+            cost = self.prep.draft.cost
         k = spec.size(room, cost)
         if k <= 0:
             return None
@@ -320,7 +308,6 @@ class StepBatch:
                 return [r]
             accepted = len(chosen) - 1
             spec.record(k, accepted)
-            self.verify_s = self.last_run_s if self.verify_s is None else 0.8 * self.verify_s + 0.2 * self.last_run_s
             if spec.source == "draft":  # the draft's cache stays valid up to the last accepted draft
                 spec.draft_done = min(spec.draft_done, length + accepted)
             for i, token in enumerate(chosen):
