@@ -9,8 +9,10 @@ Its cache of a request lags the target's: each proposal first feeds the tokens i
 (the whole prompt the first time, in chunks; later the previous step's last accepted draft and
 the token chosen after it), then its own drafts one at a time. After verification the caller
 sets how many of those tokens stay valid (``Speculator.draft_done``): rows past it are
-overwritten by the next proposal, never read (KV rows are read below the row's start only), so
-a draft model must keep KV state only.
+overwritten by the next proposal, never read (KV rows are read below the row's start only). A
+draft with conv or recurrent state (a hybrid) has its slot states copied after catching up, before
+its own drafts; when verification keeps fewer than it fed, the next proposal restores that copy
+and feeds the accepted tokens again.
 
 Drafts are greedy for a greedy request, else sampled from the request's own sampling settings
 with its own generator, and returned with the distributions they were drawn from (the q of the
@@ -39,6 +41,7 @@ class DraftModel:
         self.runner = runner
         self.pool = pool
         self.max_seq_len = min(s.max_seq_len for s in manifest.states)
+        self.slot_states = any(s.kind != "kv" for s in manifest.states)
         self.folded = bool(getattr(runner, "has_next_token", False))
         self.owners: list[Speculator | None] = []  # by draft slot: whose cache it holds
         # a draft token's cost in target runs (``Speculator.size``): the ratio of the graphs' weight
@@ -86,7 +89,7 @@ class DraftModel:
             self.owners[dst] = self.owners[src]
             self.owners[dst].draft_slot = dst
         self.owners[self.pool.live] = None
-        spec.draft_slot, spec.draft_done = None, 0
+        spec.draft_slot, spec.draft_done, spec.draft_saved = None, 0, None
 
     # -- proposals ------------------------------------------------------------------------
 
@@ -102,11 +105,15 @@ class DraftModel:
         if spec.draft_slot is None:
             if not self.pool.free_slots:
                 return Proposal([])
-            spec.draft_slot, spec.draft_done = self.pool.claim(), 0
+            spec.draft_slot, spec.draft_done, spec.draft_saved = self.pool.claim(), 0, None
             self.owners[spec.draft_slot] = spec
         greedy = params.greedy
         drafts: list[int] = []
         qs: list[np.ndarray] = []
+        if spec.draft_saved is not None and spec.draft_done < spec.draft_fed:
+            # its slot states consumed drafts that were rejected: back to where it had caught up
+            spec.draft_done = spec.draft_saved[0]
+            self.pool.restore_slot_states(spec.draft_slot, spec.draft_saved[1])
         feed = sequence[spec.draft_done:]
         pos = spec.draft_done
         while True:
@@ -114,6 +121,8 @@ class DraftModel:
                 part = feed[at: at + CATCH_UP_CHUNK]
                 out = self._run(spec.draft_slot, part, pos, greedy)
                 pos += len(part)
+            if self.slot_states and not drafts:
+                spec.draft_saved = (pos, self.pool.snapshot_slot_states(spec.draft_slot))
             if greedy:
                 token = int(out[0, 0]) if self.folded else int(np.argmax(out[0, 0]))
                 if token < 0 or (not self.folded and not np.isfinite(out[0, 0, token])):
@@ -126,7 +135,7 @@ class DraftModel:
             if len(drafts) == k:
                 break
             feed = [token]
-        spec.draft_done = pos
+        spec.draft_done = spec.draft_fed = pos
         return Proposal(drafts, np.stack(qs)[: len(drafts)] if qs else None)
 
     def _run(self, slot: int, tokens: list[int], start: int, greedy: bool) -> np.ndarray:
@@ -153,8 +162,6 @@ def _mismatch(draft: Manifest, target: Manifest) -> str | None:
     ours, theirs = draft.files.get("tokenizer.json"), target.files.get("tokenizer.json")
     if (ours is None) != (theirs is None) or ours != theirs:
         return "its tokenizer.json differs from the target's: a draft must use the very same tokenizer"
-    if any(s.kind != "kv" for s in draft.states):
-        return "it keeps conv or recurrent state: a draft must be attention-only (KV cache) to be rolled back"
     if draft.stages or draft.vision is not None or draft.lora is not None:
         return "it is pipeline-staged, vision-language or LoRA: use a plain text decoder artifact"
     return None

@@ -123,7 +123,8 @@ class Speculator:
     ``min_rate`` over the last ``window`` proposals: off for ``pause`` steps), and decides whether
     verifying the row apart from a batch is worth its run (``worth``). A draft model's cache of
     this request is ``draft_slot`` (claimed on the first proposal, released with the request)
-    holding its first ``draft_done`` tokens."""
+    holding its first ``draft_done`` tokens valid, ``draft_fed`` fed; a hybrid draft's slot states
+    as they were after ``draft_saved[0]`` tokens are ``draft_saved[1]``."""
 
     k: int
     source: str = "ngram"
@@ -137,6 +138,8 @@ class Speculator:
     paused: int = 0
     draft_slot: int | None = None
     draft_done: int = 0
+    draft_fed: int = 0
+    draft_saved: tuple | None = None
 
     def size(self, room: int, cost: float = 0.0) -> int:
         """How many drafts to propose now (0: not this step). ``cost``: a draft token's cost in
