@@ -9,6 +9,8 @@ repeats). Decode tokens/s after the prefill (timed alone and taken off), the acc
 (accepted / proposed drafts), and, greedy, a check that the tokens equal plain decoding's.
 ``--sample T``: sampled at temperature T instead (seed per repeat; no equality to check).
 ``--batch N``: N copies of the prompt at once (several rows speculating, each verified apart).
+``--force-draft``: the draft model proposes whatever its cost (``DraftModel.cost`` set to 0),
+to see what its drafts would give where the engine declines them.
 
     .venv/bin/python scripts/bench_speculative.py [--work /tmp/gk-bench-spec] [--threads 2]
         [--settings ngram:4,ngram:8,draft:3,draft:5] [--sample 0.7] [--batch 2]
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--settings", default="ngram:4,ngram:8,draft:3,draft:5")
     ap.add_argument("--sample", type=float, default=None, metavar="T")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--force-draft", action="store_true")
     args = ap.parse_args()
     settings = args.settings.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -57,6 +60,11 @@ def main() -> int:
     if any(s.startswith("draft") for s in settings) and not (draft / "manifest.json").is_file():
         export_model(str(ckpt), draft, ExportOptions(progress=False, max_seq_len=1024, overwrite=True, quant="int4"))
     engine = Engine.load(art, threads=args.threads, draft=draft if draft.is_dir() else None)
+    if engine.draft is not None:
+        print(f"draft step cost, measured at load: {engine.draft.cost:.2f} of the target's"
+              + ("; forced to 0" if args.force_draft else ""))
+        if args.force_draft:
+            engine.draft.cost = 0.0
     template = load_template(engine)
     plain = GenerationConfig(max_new_tokens=args.new_tokens)  # to the end of the reply (or the budget)
     if args.sample is not None:

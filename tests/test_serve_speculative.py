@@ -144,6 +144,13 @@ def test_greedy_with_the_servers_ngram_default_equals_off(srv, case):
     assert spec == plain and spec_text == plain_text and len(plain) == n
     # one run per token without speculation; verified drafts save runs with it
     assert len(plain_runs) == n and len(spec_runs) < n and max(spec_runs[1:]) > 1, (spec_runs, plain_runs)
+    # and /metrics counts them: verified drafts, the accepted ones among them
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+               for s in fam.samples}
+    assert 0 < metrics["graphkiln_accepted_draft_tokens_total"] <= metrics["graphkiln_draft_tokens_total"]
 
 
 def test_a_requests_own_speculative(srv, case):

@@ -50,19 +50,26 @@ def test_ngram_draft():
 
 
 def test_draft_length_follows_the_expected_gain():
-    """Speculator.size: (1 - a^(k+1)) / ((1 - a)(1 + k c)) over k, a pause when no k beats 1."""
+    """Speculator.size: (1 - a^(k+1)) / ((1 - a)(1 + k (c + 0.1))) over k, a = 0.8 before any
+    verification; below 1.2, pauses twice as long each time in a row."""
     from graphkiln.runtime.request.speculate import Speculator
 
     s = Speculator(8, "draft")
-    assert s.size(100, 0.2) == 8 and s.size(3, 0.2) == 3  # no history: a first try, within the room
+    assert s.size(100, 0.2) == 3 and s.size(2, 0.2) == 2  # a = 0.8 assumed: 1.55x at k=3, within the room
+    assert s.size(100, 0.6) == 0 and s.paused == 16  # not worth a try even so
+    s = Speculator(8, "draft")
     for _ in range(3):
         s.record(8, 8)
     assert s.size(100, 0.2) == 8  # every draft accepted: the longest
     s = Speculator(8, "draft")
     s.record(8, 1)
     s.record(8, 1)  # 2 accepted of 4 compared: a = 0.5
-    assert s.size(100, 0.05) == 3 and s.size(100, 0.2) in (1, 2)
-    assert s.size(100, 1.0) == 0 and s.paused and not s.history  # a draft as costly as the target: pause
+    assert s.size(100, 0.05) == 2  # 1.35x expected
+    assert s.size(100, 0.2) == 0 and s.paused == 16 and not s.history  # 1.15x at best: not worth it
+    s.paused = 0
+    assert s.size(100, 0.2) == 3  # a try after the pause
+    s.record(3, 0)
+    assert s.size(100, 0.2) == 0 and s.paused == 32  # twice as long
 
 
 @pytest.mark.parametrize("name, target", [("llama_tok", "onnxruntime"), ("llama_tok", "portable"),
@@ -139,7 +146,7 @@ def test_greedy_draft_model_equals_plain_decoding(drafted, name):
     # a draft that is the target itself is always right: every step commits k+1 tokens (its cache kept in step)
     if name == "llama_tok":
         same = Engine.load(case.artifact, threads=1, draft=case.artifact)
-        assert same.draft.cost == 1.0
+        assert 0.5 <= same.draft.cost <= 2.0  # measured: the same graph
         same.draft.cost = 0.0  # as if free: never worth it otherwise, so it would pause (Speculator.size)
         runs = counted_runs(same)
         out = same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))[0]

@@ -104,6 +104,8 @@ class Engine:
             raise GraphkilnError(f"this artifact cannot speculate on {backend} on {device} (M-RoPE positions, a GPU "
                                  "or Ray runner): load it without a draft")
         self.draft = self.prep.draft = draft
+        if draft is not None:
+            draft.calibrate(self.decoder, self.pool)
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
     @classmethod
@@ -152,7 +154,7 @@ class Engine:
         if draft is not None:
             from graphkiln.runtime.draft_model import DraftModel
 
-            drafter = DraftModel.load(draft, manifest, root, threads, check_files)
+            drafter = DraftModel.load(draft, manifest, threads, check_files)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8,

@@ -35,6 +35,10 @@ class _SchedulerCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled since start (not those taken from the prefix cache)", value=s.prompt_tokens)
         yield CounterMetricFamily(f"{PREFIX}_generated_tokens", "Tokens generated since start", value=s.generated_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_draft_tokens", "Speculative draft tokens verified since start",
+                                  value=s.draft_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_accepted_draft_tokens", "Speculative draft tokens accepted since start",
+                                  value=s.accepted_draft_tokens)
         p = s.prefix
         if p is not None:  # the prefix cache (runtime.request.prefix); absent when it is off
             yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",

@@ -35,7 +35,8 @@ class SchedulerStats:
     """A consistent snapshot: ``queued`` requests wait for a slot, ``running`` hold one;
     ``prompt_tokens`` / ``generated_tokens`` are totals since the scheduler was made (prompt
     tokens counted when prefilled, image placeholder tokens included; those taken from the prefix
-    cache are ``prefix.hit_tokens``)."""
+    cache are ``prefix.hit_tokens``); ``draft_tokens`` / ``accepted_draft_tokens`` count
+    speculative decoding's verified drafts and those kept."""
 
     queued: int
     running: int
@@ -44,6 +45,8 @@ class SchedulerStats:
     prompt_tokens: int
     generated_tokens: int
     prefix: PrefixStats | None = None  # the prefix cache's totals; None when it is off
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class RequestHandle:
@@ -273,7 +276,8 @@ class Scheduler:
             return SchedulerStats(queued=len(self._waiting), running=len(b.rows),
                                   free_slots=self._total_slots - len(b.rows), total_slots=self._total_slots,
                                   prompt_tokens=b.prompt_tokens, generated_tokens=b.generated_tokens,
-                                  prefix=b.prefix.stats() if b.prefix is not None else None)
+                                  prefix=b.prefix.stats() if b.prefix is not None else None,
+                                  draft_tokens=b.draft_tokens, accepted_draft_tokens=b.accepted_draft_tokens)
 
     def shutdown(self, deadline_s: float) -> None:
         """Stop admitting; queued and running requests go on until they end or ``deadline_s``

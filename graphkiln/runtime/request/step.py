@@ -94,6 +94,8 @@ class StepBatch:
         self.folded = bool(getattr(runner, "has_next_token", False))
         self.prompt_tokens = 0  # prefilled so far (the driver's totals)
         self.generated_tokens = 0
+        self.draft_tokens = 0  # speculative drafts verified, and those accepted
+        self.accepted_draft_tokens = 0
 
     # -- admit, claim -----------------------------------------------------------------------
 
@@ -308,6 +310,8 @@ class StepBatch:
                 return [r]
             accepted = len(chosen) - 1
             spec.record(k, accepted)
+            self.draft_tokens += k
+            self.accepted_draft_tokens += accepted
             if spec.source == "draft":  # the draft's cache stays valid up to the last accepted draft
                 spec.draft_done = min(spec.draft_done, length + accepted)
             for i, token in enumerate(chosen):
