@@ -227,7 +227,7 @@ def _load_engine(args):
 
     return Engine.load(args.artifact, threads=args.threads, expected_digest=args.expect_digest, target=args.target,
                        backend=args.backend, device=args.device, distributed=_distributed(args), draft=args.draft,
-                       **_prefix_kwargs(args))
+                       draft_cost=args.draft_cost, **_prefix_kwargs(args))
 
 
 def _add_generation_flags(p) -> None:
@@ -246,11 +246,18 @@ def _add_generation_flags(p) -> None:
                         "sampled output keeps its distribution")
 
 
+def _add_draft_cost_flag(p) -> None:
+    p.add_argument("--draft-cost", type=_number(0.0), default=None, metavar="C",
+                   help="a --draft step's cost relative to the target's, which decides whether and how far drafting "
+                        "pays (default: measured at load; 0 drafts whatever it costs)")
+
+
 def _add_engine_flags(p) -> None:
     """Which artifact graph runs, where and how: run's and chat's (``_load_engine`` reads them)."""
     p.add_argument("--threads", type=_int_at_least(1), default=None)
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="a draft artifact of the same tokenizer (a smaller or int4 export) for --speculative draft")
+    _add_draft_cost_flag(p)
     _add_prefix_flags(p)
     _add_batched_int8_flag(p)
     p.add_argument("--expect-digest", type=_sha256_hex, default=None, metavar="SHA256",
@@ -404,7 +411,7 @@ def _serve(args) -> int:
         max_queue=args.max_queue, max_batch=args.max_batch, step_tokens=args.step_tokens, threads=args.threads,
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
         distributed=_distributed(args), log_level=args.log_level, lora=_lora_pairs(args.lora),
-        lora_updates=args.allow_lora_updates, speculative=args.speculative, draft=args.draft,
+        lora_updates=args.allow_lora_updates, speculative=args.speculative, draft=args.draft, draft_cost=args.draft_cost,
         **_prefix_kwargs(args)))
 
 
@@ -652,6 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft", default=None, metavar="DIR",
                    help="load a draft artifact of the same tokenizer (a smaller or int4 export) for draft "
                         "speculation; without --speculative, requests default to it")
+    _add_draft_cost_flag(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_serve)
 

@@ -43,6 +43,7 @@ def main() -> int:
 
     art, draft = _build(args.work)
     engine = Engine.load(art, threads=args.threads, draft=draft)
+    cost, engine.draft.cost = engine.draft.cost, 0.0  # drafts whatever they cost: the rollback is measured here
     pool = engine.pool
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, 32000, 48).tolist()
@@ -111,7 +112,8 @@ def main() -> int:
     base, fast = statistics.median(rates[None]), statistics.median(rates["draft:4"])
     print(f"random Qwen3.5-shaped hybrid ({CONFIG['num_hidden_layers']} layers, "
           f"{engine.manifest.model.num_parameters / 1e6:.0f}M parameters, fp32), {args.threads} threads, greedy, "
-          f"{args.new_tokens} new tokens, median of {args.repeats}")
+          f"{args.new_tokens} new tokens, median of {args.repeats}; the int8 draft's step costs {cost:.2f} of the "
+          "target's (forced to draft anyway)")
     print(f"slot states per row: {state_bytes / 2**20:.1f} MiB; snapshot + restore "
           f"{statistics.median(counts['copy_s']) * 1e3:.2f} ms per verification (median)")
     print(f"one speculative request: verifications {counts['verify']}, of which re-run after a rejection "

@@ -71,8 +71,9 @@ def drafting(target, draft):
     """``graphkiln serve TARGET --draft DRAFT`` (no --speculative): (client, its startup line)."""
     env = dict(os.environ)
     env.pop("GRAPHKILN_API_KEY", None)
+    # --draft-cost 0: a tiny draft's step costs about the target's, which the engine would decline
     proc = subprocess.Popen([sys.executable, "-m", "graphkiln.cli", "serve", str(target), "--draft", str(draft),
-                             "--port", "0", "--model-name", MODEL, "--threads", "1", "--max-batch", "2",
+                             "--draft-cost", "0", "--port", "0", "--model-name", MODEL, "--threads", "1", "--max-batch", "2",
                              "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         seen = []

@@ -29,12 +29,14 @@ def _export(ckpt, out, **opts):
 
 
 def counted_runs(engine) -> list[int]:
-    """The sequence length of every run of ``engine``'s decoder from now on."""
+    """The tokens per row of every run of ``engine``'s decoder from now on that does not start at
+    position 0 (decode steps and verifications; not a prompt's first prefill run)."""
     runs: list[int] = []
     run = engine.decoder.run
 
     def counting(*args, **kwargs):
-        runs.append(args[1].shape[1])
+        if args[2][0, 0] > 0:
+            runs.append(args[1].shape[1])
         return run(*args, **kwargs)
 
     engine.decoder.run = counting
@@ -75,19 +77,34 @@ def test_draft_length_follows_the_expected_gain():
 @pytest.mark.parametrize("name, target", [("llama_tok", "onnxruntime"), ("llama_tok", "portable"),
                                           ("qwen3_moe", "onnxruntime"), ("lfm2", "onnxruntime"),
                                           ("qwen3_5", "onnxruntime"), ("nemotron_h", "onnxruntime")])
-def test_greedy_ngram_equals_plain_decoding(tiny, name, target):
+def test_greedy_ngram_equals_plain_decoding(tiny, name, target, monkeypatch):
     """Dense, MoE and hybrids (conv; gated delta; Mamba: slot states restored after a rejection)."""
     case = tiny(name, target)
     engine = Engine.load(case.artifact, threads=1)
-    # repetitive prompts, so that drafts are proposed, some accepted and some rejected
+    # repetitive prompts, so that drafts may be proposed (whether the model continues them varies)
     prompts = [p * 3 for p in case.prompts([5, 7, 4], salt=3)]
-    runs = counted_runs(engine)
     for prompt in prompts:
         plain = engine.generate(prompt, PLAIN)[0]
         for k in ("ngram", "ngram:8"):
             spec = engine.generate(prompt, dataclasses.replace(PLAIN, speculative=k))[0]
             assert spec.token_ids == plain.token_ids, (name, target, k)
-    assert max(runs) > 1 and len(runs) < 9 * 49, runs  # verification runs happened and saved runs
+    # drafts right up to a wrong token at a varying place (none wrong at times): every accepted
+    # length and rejection happens, each rejection rolling back what the run consumed
+    plain = engine.generate(prompts[0], PLAIN)[0].token_ids
+
+    def oracle(sequence, k):
+        at = len(sequence) - len(prompts[0])
+        drafts = list(plain[at: at + k])
+        wrong = at * 7 % (k + 2)
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % case.vocab_size
+        return drafts
+
+    runs = counted_runs(engine)
+    with monkeypatch.context() as m:
+        m.setattr("graphkiln.runtime.request.step.ngram_draft", oracle)
+        assert engine.generate(prompts[0], dataclasses.replace(PLAIN, speculative="ngram:4"))[0].token_ids == plain
+    assert max(runs) > 1 and len(runs) < 40, runs
     # several rows per step, each verified in its own run, equal to the batch decoded plainly
     batch = [r.token_ids for r in engine.generate(prompts, dataclasses.replace(PLAIN, speculative="ngram:8"))]
     assert batch == [r.token_ids for r in engine.generate(prompts, PLAIN)]
@@ -128,7 +145,8 @@ def drafted(tiny, tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama_tok", "lfm2", "qwen3_moe"])
 def test_greedy_draft_model_equals_plain_decoding(drafted, name):
     case, draft = drafted[name]
-    engine = Engine.load(case.artifact, threads=1, draft=draft)
+    # drafting whatever it costs: a tiny draft's step costs about the target's, which the engine would decline
+    engine = Engine.load(case.artifact, threads=1, draft=draft, draft_cost=0.0)
     prompts = [p * 2 for p in case.prompts([5, 9], salt=4)]
     runs = counted_runs(engine)
     plain = [r.token_ids for r in engine.generate(prompts, PLAIN)]
@@ -147,10 +165,14 @@ def test_greedy_draft_model_equals_plain_decoding(drafted, name):
     if name == "llama_tok":
         same = Engine.load(case.artifact, threads=1, draft=case.artifact)
         assert 0.5 <= same.draft.cost <= 2.0  # measured: the same graph
-        same.draft.cost = 0.0  # as if free: never worth it otherwise, so it would pause (Speculator.size)
+        assert same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))[0].token_ids == plain[0]
         runs = counted_runs(same)
+        same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))
+        assert runs == [1] * 47  # as costly as the target: declined (Speculator.size)
+        same.draft.cost = 0.0  # as if free
+        runs.clear()
         out = same.generate(prompts[0], dataclasses.replace(PLAIN, speculative="draft:4"))[0]
-        assert out.token_ids == plain[0] and len(runs) == 1 + -(-47 // 5), runs
+        assert out.token_ids == plain[0] and len(runs) == -(-47 // 5), runs
     if name == "qwen3_moe":  # a hybrid draft: after rejections (restored states) it still drafts its own greedy text
         proposals = []
         propose = engine.draft.propose
@@ -161,9 +183,7 @@ def test_greedy_draft_model_equals_plain_decoding(drafted, name):
             return out
 
         engine.draft.propose = spy
-        cost, engine.draft.cost = engine.draft.cost, 0.0  # keeps proposing despite rejections (Speculator.size)
         engine.generate(prompts[1], dataclasses.replace(PLAIN, speculative="draft:4"))
-        engine.draft.cost = cost
         alone = Engine.load(draft, threads=1)
         for sequence, tokens in proposals:
             assert alone.generate(sequence, dataclasses.replace(PLAIN, max_new_tokens=len(tokens)))[0].token_ids == tokens
@@ -201,7 +221,7 @@ def v8(tmp_path_factory):
     root = tmp_path_factory.mktemp("v8")
     target = _export(build_checkpoint(V8, root / "target"), root / "target-art")
     draft = _export(build_checkpoint(V8, root / "draft", seed=32), root / "draft-art")
-    engine = Engine.load(target, threads=1, draft=draft)
+    engine = Engine.load(target, threads=1, draft=draft, draft_cost=0.0)  # drafting whatever it costs
     prefixes = [[]] + [[a] for a in range(8)] + [[a, b] for a in range(8) for b in range(8)]
     logits = engine.prompt_logits([V8_PROMPT + p for p in prefixes])
     probs = [np.exp(x[-1] - x[-1].max()) / np.exp(x[-1] - x[-1].max()).sum() for x in logits]

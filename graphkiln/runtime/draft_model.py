@@ -47,7 +47,7 @@ class DraftModel:
         # a draft token's cost in target runs (``Speculator.size``): the ratio of the graphs' weight
         # bytes, what a memory-bound decode step reads; from the files, not from timings, so that the
         # draft lengths, hence a seeded sampled request's tokens, do not depend on the machine's load
-        self.cost = 0.0
+        self.cost: float | None = None
 
     @classmethod
     def load(cls, artifact_dir: str | Path, target: Manifest, threads: int | None = None,

@@ -104,7 +104,7 @@ class Engine:
             raise GraphkilnError(f"this artifact cannot speculate on {backend} on {device} (M-RoPE positions, a GPU "
                                  "or Ray runner): load it without a draft")
         self.draft = self.prep.draft = draft
-        if draft is not None:
+        if draft is not None and draft.cost is None:
             draft.calibrate(self.decoder, self.pool)
         self._busy = threading.Lock()  # held by the running session; see the class docstring
 
@@ -114,7 +114,7 @@ class Engine:
              target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
              distributed=None, prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
              prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False,
-             draft: str | Path | None = None) -> "Engine":
+             draft: str | Path | None = None, draft_cost: float | None = None) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -132,7 +132,9 @@ class Engine:
         quantized artifact's batched-step graph: int8 weights derived from its blocks at load, faster
         with many rows, with slightly different numerics (``graphkiln.batched_int8``). ``draft``: an
         artifact of the same tokenizer (a smaller or quantized model) whose drafts requests with
-        ``GenerationConfig(speculative="draft[:K]")`` verify (``runtime.draft_model``)."""
+        ``GenerationConfig(speculative="draft[:K]")`` verify (``runtime.draft_model``); ``draft_cost``
+        a draft step's cost relative to the target's (default: measured at load; 0 drafts whatever
+        it costs), which decides whether and how far drafting pays (``request.speculate``)."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         if threads is not None and distributed is None:  # before the files are hashed (every session checks
@@ -155,6 +157,8 @@ class Engine:
             from graphkiln.runtime.draft_model import DraftModel
 
             drafter = DraftModel.load(draft, manifest, threads, check_files)
+            if draft_cost is not None:
+                drafter.cost = _draft_cost(draft_cost)
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8,
@@ -402,6 +406,13 @@ def _adapter_pool(manifest: Manifest, runner):
                        module_paths=manifest.lora.module_paths or None)
     runner.bind_adapters(pool)
     return pool
+
+
+def _draft_cost(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise GraphkilnError(f"draft_cost must be a finite number >= 0 (a draft step's cost relative to the "
+                             f"target's; 0 drafts whatever it costs), got {value!r}")
+    return float(value)
 
 
 def _is_single(prompts) -> bool:

@@ -50,6 +50,7 @@ class ServeConfig:
     lora_updates: bool = False  # --allow-lora-updates: the load/unload routes are open (API key still needed)
     speculative: str | None = None  # --speculative ngram[:K]|draft[:K]|off: requests' default (default_speculation)
     draft: str | None = None  # --draft DIR: the draft artifact loaded into the engine (runtime.draft_model)
+    draft_cost: float | None = None  # --draft-cost C: Engine.load's draft_cost (None: measured at load)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -182,7 +183,7 @@ def serve(cfg: ServeConfig) -> int:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
                              prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8,
-                             draft=cfg.draft)
+                             draft=cfg.draft, draft_cost=cfg.draft_cost)
         adapters = load_adapters(engine, cfg.lora, name)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:

@@ -248,7 +248,7 @@ class StepBatch:
         cost = 0.0
         if spec.source == "draft":
             room = min(room, self.prep.draft.room(len(sequence)))
-            cost = self.prep.draft.cost
+            cost = self.prep.draft.cost or 0.0
         k = spec.size(room, cost)
         if k <= 0:
             return None
