@@ -33,6 +33,7 @@ from graphkiln.errors import GraphkilnError
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 FIELDS = ("json_schema", "regex", "grammar")
+PROBE_STEPS = 3  # masks built (and tokens consumed between them) when a grammar is compiled
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -101,15 +102,23 @@ class Grammars:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if is_error:
             raise GraphkilnError(f"{field}: {_line(messages[0] if messages else 'invalid')}: pass a valid {_WHAT[field]}")
-        # Some limits (a regex's size, say) are only met when the first mask is built, and a grammar
-        # no text satisfies only shows there: built once here, so neither fails a running request.
+        # Some limits (a regex's size, say) are only met when the first masks are built or the first
+        # tokens consumed (a{1000000} failed at its second token), and a grammar no text satisfies only
+        # shows there: a few steps here, along the lowest allowed token ids, so neither fails a running request.
         probe = Constraint(self, grammar)
-        probe._fill()
-        error = _line(probe.matcher.get_error()) if probe.matcher.is_error() else ""
-        if (probe.matcher.is_stopped() and not probe.matcher.is_accepting()) or error.startswith("NoExtension"):
-            raise GraphkilnError(f"{field}: no text satisfies it: pass a {_WHAT[field]} that some text matches")
-        if error:
-            raise GraphkilnError(f"{field}: {error}: simplify the {_WHAT[field]}")
+        for _ in range(PROBE_STEPS):
+            probe._fill()
+            error = _line(probe.matcher.get_error()) if probe.matcher.is_error() else ""
+            if (probe.matcher.is_stopped() and not probe.matcher.is_accepting()) or error.startswith("NoExtension"):
+                raise GraphkilnError(f"{field}: no text satisfies it: pass a {_WHAT[field]} that some text matches")
+            if error:
+                raise GraphkilnError(f"{field}: {error}: simplify the {_WHAT[field]}")
+            allowed = np.flatnonzero(np.unpackbits(probe.bitmask.view(np.uint8), bitorder="little"))
+            allowed = allowed[(allowed < self.vocab_size) & ~np.isin(allowed, self.eos)]  # text, not the end
+            if probe.matcher.is_stopped() or not allowed.size:
+                break
+            if not probe.matcher.consume_token(int(allowed[0])):
+                raise GraphkilnError(f"{field}: {_line(probe.matcher.get_error())}: simplify the {_WHAT[field]}")
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":
@@ -161,8 +170,8 @@ class Constraint:
         """Consume the chosen token; returns whether the grammar is complete (nothing more may
         follow). Unless the request is ``finished``, the next step's mask starts computing now."""
         if not self.matcher.consume_token(token):
-            raise GraphkilnError(f"the grammar refused token {token} ({_line(self.matcher.get_error())}): report "
-                                 "this with the request")
+            raise GraphkilnError(f"the grammar failed at token {token} ({_line(self.matcher.get_error())}): simplify "
+                                 "the request's json_schema, regex or grammar")
         done = self.matcher.is_stopped()
         if not (done or finished):
             self.start()
