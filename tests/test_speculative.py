@@ -16,6 +16,7 @@ from conftest import MAX_SEQ_LEN, SPECS, Spec, _COMMON, build_checkpoint
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.request import speculate
+from graphkiln.runtime.request.sampling import SamplingParams, probabilities
 from graphkiln.runtime.request.speculate import ngram_draft
 
 PLAIN = GenerationConfig(max_new_tokens=48, stop_token_ids=())
@@ -217,15 +218,19 @@ SAMPLES = 2000
 @pytest.fixture(scope="module")
 def v8(tmp_path_factory):
     """A vocabulary-8 target and a differently seeded draft (so q differs from p), and the exact
-    distribution of the target's first three sampled tokens after ``V8_PROMPT`` [8, 8, 8]."""
+    distribution of the target's first three sampled tokens after ``V8_PROMPT`` [8, 8, 8] under
+    given sampling settings (``joint(params)``)."""
     root = tmp_path_factory.mktemp("v8")
     target = _export(build_checkpoint(V8, root / "target"), root / "target-art")
     draft = _export(build_checkpoint(V8, root / "draft", seed=32), root / "draft-art")
     engine = Engine.load(target, threads=1, draft=draft, draft_cost=0.0)  # drafting whatever it costs
     prefixes = [[]] + [[a] for a in range(8)] + [[a, b] for a in range(8) for b in range(8)]
-    logits = engine.prompt_logits([V8_PROMPT + p for p in prefixes])
-    probs = [np.exp(x[-1] - x[-1].max()) / np.exp(x[-1] - x[-1].max()).sum() for x in logits]
-    joint = np.einsum("a,ab,abc->abc", probs[0], np.stack(probs[1:9]), np.stack(probs[9:]).reshape(8, 8, 8))
+    logits = [x[-1] for x in engine.prompt_logits([V8_PROMPT + p for p in prefixes])]
+
+    def joint(params: SamplingParams) -> np.ndarray:
+        probs = [probabilities(x, params) for x in logits]
+        return np.einsum("a,ab,abc->abc", probs[0], np.stack(probs[1:9]), np.stack(probs[9:]).reshape(8, 8, 8))
+
     return engine, joint
 
 
@@ -245,25 +250,34 @@ def chi_square_p(samples: list[list[int]], joint: np.ndarray) -> float:
     return float(chi2.sf(stat, keep.sum() - 1))
 
 
-def _sample(engine, speculative: str) -> list[list[int]]:
-    cfg = GenerationConfig(max_new_tokens=4, stop_token_ids=(), do_sample=True, temperature=1.0, speculative=speculative)
+def _sample(engine, speculative: str, params: SamplingParams) -> list[list[int]]:
+    cfg = GenerationConfig(max_new_tokens=4, stop_token_ids=(), do_sample=True, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, speculative=speculative)
     return [engine.generate(V8_PROMPT, dataclasses.replace(cfg, seed=i))[0].token_ids for i in range(SAMPLES)]
 
 
-@pytest.mark.parametrize("source", ["ngram:3", "draft:3"])
-def test_sampling_keeps_the_target_distribution(v8, source, monkeypatch):
+T1 = SamplingParams(do_sample=True)
+FILTERED = SamplingParams(do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
+
+
+@pytest.mark.parametrize("source, params", [("ngram:3", T1), ("draft:3", T1), ("draft:3", FILTERED)],
+                         ids=["ngram", "draft", "draft-top_k-top_p"])
+def test_sampling_keeps_the_target_distribution(v8, source, params, monkeypatch):
     """Tokens 2 and 3 come from one verification (drafts accepted, or a rejection's resample), so
     their joint distribution with token 1 is what the rejection rule must get right: a chi-square
-    test against the exact distribution, fixed seeds, passes at p > 1e-3; the same test on an
+    test against the exact distribution (under the request's temperature, top-k and top-p, which
+    shape both p and the draft's q), fixed seeds, passes at p > 1e-3; the same test on an
     always-accept rule (drafts taken as they come) fails it, so it can tell them apart."""
     engine, joint = v8
     runs = counted_runs(engine)
-    assert chi_square_p(_sample(engine, source), joint) > 1e-3
+    assert chi_square_p(_sample(engine, source, params), joint(params)) > 1e-3
     assert max(runs) > 1  # drafts were verified
+    if params is FILTERED:
+        return
     real = speculate.accept
     monkeypatch.setattr("graphkiln.runtime.request.step.accept",
                         lambda p, proposal, rng: (proposal.tokens + real(p[len(proposal.tokens):], speculate.Proposal([]), rng)))
-    assert chi_square_p(_sample(engine, source), joint) < 1e-6
+    assert chi_square_p(_sample(engine, source, params), joint(params)) < 1e-6
 
 
 # -- refusals -------------------------------------------------------------------------------------------
