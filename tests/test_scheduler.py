@@ -80,6 +80,30 @@ def engine_alone(engine, prompt, n):
     return engine.generate(prompt, _greedy(n))[0].token_ids
 
 
+def test_a_runner_without_slot_ranges_batches_whole_prompts(tiny):
+    """A runner that cannot run a sub-range of slots (no ``first_slot``: the GPU runners) gets
+    static batching: prompts longer than the step's token budget are admitted whole, one at a
+    time when need be (they once waited forever), and each equals the request alone."""
+    case = tiny("llama_gqa_bias", "onnxruntime")
+    engine = Engine.load(case.artifact, threads=1)
+    run = engine.decoder.run
+
+    def whole_ranges_only(pool, input_ids, position_ids, logits_index, lengths, **kwargs):
+        assert "first_slot" not in kwargs
+        return run(pool, input_ids, position_ids, logits_index, lengths, **kwargs)
+
+    engine.decoder.run = whole_ranges_only
+    prompts = case.prompts([12, 20, 5], salt=21)
+    alone = [engine.generate(p, _greedy(6))[0].token_ids for p in prompts]
+    sched = Scheduler(engine, max_batch=2, step_tokens=8)
+    sched.start()
+    try:
+        handles = [sched.submit(p, _greedy(6)) for p in prompts]
+        assert [h.result(timeout=60).token_ids for h in handles] == alone
+    finally:
+        sched.shutdown(5)
+
+
 def test_submit_validates_at_once_and_the_queue_is_bounded(tiny):
     case = tiny("llama_gqa_bias")
     engine = Engine.load(case.artifact)

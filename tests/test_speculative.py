@@ -8,6 +8,7 @@ mismatched drafts are one line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ def counted_runs(engine) -> list[int]:
     runs: list[int] = []
     run = engine.decoder.run
 
+    @functools.wraps(run)  # its signature stays visible (the scheduler asks it for first_slot)
     def counting(*args, **kwargs):
         if args[2][0, 0] > 0:
             runs.append(args[1].shape[1])
@@ -117,6 +119,41 @@ def test_greedy_ngram_equals_plain_decoding(tiny, name, target, monkeypatch):
                 == engine.generate(prompt, stop)[0].token_ids)
         short = dataclasses.replace(PLAIN, max_new_tokens=5, speculative="ngram:8")
         assert engine.generate(prompt, short)[0].token_ids == plain[:5]
+
+
+def test_scheduler_mixes_speculating_rows_on_a_hybrid(tiny, monkeypatch):
+    """Continuous batching on a conv hybrid with prefix reuse and chunked prefill: requests that
+    speculate (each verified in a run of its own, states restored after rejections) beside ones
+    that do not, each equal to plain decoding alone."""
+    from graphkiln.runtime.request.scheduler import Scheduler
+
+    case = tiny("lfm2", "onnxruntime")
+    engine = Engine.load(case.artifact, threads=1)
+    base = case.prompts([20], salt=8)[0]  # a shared first block: reused from the prefix cache
+    prompts = [base + p for p in case.prompts([3, 5, 9, 4, 6], salt=9)]
+    plain = {tuple(p): engine.generate(p, PLAIN)[0].token_ids for p in prompts}
+
+    def oracle(sequence, k):  # the plain continuation, wrong at a varying place
+        prompt = next(p for p in plain if tuple(sequence[: len(p)]) == p)
+        at = len(sequence) - len(prompt)
+        drafts = list(plain[prompt][at: at + k])
+        wrong = at * 5 % (k + 2)
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % case.vocab_size
+        return drafts
+
+    monkeypatch.setattr("graphkiln.runtime.request.step.ngram_draft", oracle)
+    runs = counted_runs(engine)
+    sched = Scheduler(engine, max_batch=3, step_tokens=16)
+    sched.start()
+    try:
+        handles = [sched.submit(p, dataclasses.replace(PLAIN, speculative="ngram:8" if i % 2 == 0 else None))
+                   for i, p in enumerate(prompts)]
+        assert [h.result(timeout=60).token_ids for h in handles] == [plain[tuple(p)] for p in prompts]
+        assert sched.stats().accepted_draft_tokens > 0
+    finally:
+        sched.shutdown(5.0)
+    assert max(runs) > 1
 
 
 def test_drafts_are_accepted_on_repetitive_text(tiny):

@@ -149,9 +149,9 @@ class StepBatch:
                     ends.append(n)
                     longest = max(longest, n)
                     continue
-                if not group and self.joinable:  # a long prompt: its first chunk, alone
+                if not group:  # a long prompt: its first chunk, alone (whole, for a runner that cannot chunk)
                     group.append(waiting.popleft())
-                    ends.append(self._chunk_end(r, 0, budget))
+                    ends.append(self._chunk_end(r, 0, budget) if self.joinable else n)
                 break
         for r in group:
             r.slot = self.pool.claim()
