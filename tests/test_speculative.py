@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 
-from conftest import MAX_SEQ_LEN, SPECS, Spec, _COMMON, build_checkpoint
+from conftest import MAX_SEQ_LEN, Spec, _COMMON, build_checkpoint
 from graphkiln.errors import GraphkilnError
 from graphkiln.runtime import Engine, GenerationConfig
 from graphkiln.runtime.request import speculate
@@ -313,7 +313,8 @@ def test_sampling_keeps_the_target_distribution(v8, source, params, monkeypatch)
         return
     real = speculate.accept
     monkeypatch.setattr("graphkiln.runtime.request.step.accept",
-                        lambda p, proposal, rng: (proposal.tokens + real(p[len(proposal.tokens):], speculate.Proposal([]), rng)))
+                        lambda p_at, proposal, rng: proposal.tokens + real(lambda i: p_at(i + len(proposal.tokens)),
+                                                                           speculate.Proposal([]), rng))
     assert chi_square_p(_sample(engine, source, params), joint(params)) < 1e-6
 
 

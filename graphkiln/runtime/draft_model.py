@@ -44,16 +44,17 @@ class DraftModel:
         self.slot_states = any(s.kind != "kv" for s in manifest.states)
         self.folded = bool(getattr(runner, "has_next_token", False))
         self.owners: list[Speculator | None] = []  # by draft slot: whose cache it holds
-        # a draft token's cost in target runs (``Speculator.size``): the ratio of the graphs' weight
-        # bytes, what a memory-bound decode step reads; from the files, not from timings, so that the
-        # draft lengths, hence a seeded sampled request's tokens, do not depend on the machine's load
+        # a draft token's cost in target runs (``Speculator.size``): measured once (``calibrate``) or
+        # given (Engine.load's draft_cost), then fixed, so draft lengths, hence a seeded sampled
+        # request's tokens, depend on nothing that runs meanwhile
         self.cost: float | None = None
 
     @classmethod
     def load(cls, artifact_dir: str | Path, target: Manifest, threads: int | None = None,
              check_files: bool = True) -> "DraftModel":
         """Open ``artifact_dir`` as a draft for an artifact whose manifest is ``target``: the same
-        tokenizer and vocabulary, KV state only, one decoder graph, run by onnxruntime on the CPU.
+        tokenizer and vocabulary, one text decoder graph (not staged, vision-language or LoRA), run
+        by onnxruntime on the CPU.
         Anything else is one GraphkilnError line naming the difference."""
         from graphkiln.artifact import check_artifact
         from graphkiln.runtime.backends import open_backend

@@ -36,6 +36,7 @@ promises more tokens than the run it adds costs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -85,26 +86,28 @@ class Proposal:
     q: np.ndarray | None = None
 
 
-def accept(p: np.ndarray, proposal: Proposal, rng: np.random.Generator) -> list[int]:
-    """The tokens a sampled row commits after verification: p [k+1, vocab] its sampling
-    distribution at each verified position (float64, rows summing to 1); the rejection rule of
-    the module docstring. Between 1 and k+1 tokens."""
+def accept(p_at: Callable[[int], np.ndarray], proposal: Proposal, rng: np.random.Generator) -> list[int]:
+    """The tokens a sampled row commits after verification: ``p_at(i)`` its sampling distribution
+    at verified position i (float64, summing to 1; asked for only up to the first rejection: top-p
+    sorts the vocabulary); the rejection rule of the module docstring. Between 1 and k+1 tokens."""
     chosen: list[int] = []
     for i, d in enumerate(proposal.tokens):
+        p = p_at(i)
         q_d = 1.0 if proposal.q is None else float(proposal.q[i, d])
-        if rng.random() * q_d < p[i, d]:  # probability min(1, p/q): q_d > 0, the draft was drawn from it
+        if rng.random() * q_d < p[d]:  # probability min(1, p/q): q_d > 0, the draft was drawn from it
             chosen.append(d)
             continue
         if proposal.q is None:
-            residual = p[i].copy()
+            residual = p.copy()
             residual[d] = 0.0
         else:
-            residual = np.maximum(p[i] - proposal.q[i], 0.0)
+            residual = np.maximum(p - proposal.q[i], 0.0)
         total = residual.sum()
         # zero only when p <= q everywhere, i.e. p == q: a rejection then had probability 0
-        chosen.append(int(rng.choice(len(residual), p=residual / total)) if total > 0 else int(rng.choice(len(p[i]), p=p[i])))
+        chosen.append(int(rng.choice(len(residual), p=residual / total)) if total > 0 else int(rng.choice(len(p), p=p)))
         return chosen
-    chosen.append(int(rng.choice(p.shape[-1], p=p[-1])))
+    p = p_at(len(proposal.tokens))
+    chosen.append(int(rng.choice(len(p), p=p)))
     return chosen
 
 
@@ -157,12 +160,12 @@ class Speculator:
         target runs (``DraftModel.cost``; 0 for prompt lookup). Depends only on the request's own
         history, so a seeded sampled request draws the same numbers whatever else runs. Free
         drafts: k, halved while fewer than half are accepted. Costly ones: the k that maximises
-        the expected tokens per unit of time, (1 - a^(k+1)) / ((1 - a)(1 + k cost)) with a the
+        the expected tokens per unit of time, (1 - a^(k+1)) / ((1 - a)(1 + k (cost + VERIFY_GROWTH))), a the
         recent per-draft acceptance (Leviathan et al. 2023, eq. 1 and theorem 3.8); when no k is
         expected to beat plain decoding by ``MIN_GAIN`` (what the model leaves out: catching the
         draft up, the step's own overhead), a pause, twice as long each time in a row. Without
         history (at first, after a pause) a is ``PRIOR_ACCEPTANCE``, so a draft too costly to pay
-        even then is never tried. ``VERIFY_GROWTH`` adds what each verified token adds to the run."""
+        even then is never tried."""
         if self.paused:
             self.paused -= 1
             return 0

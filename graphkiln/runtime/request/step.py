@@ -302,8 +302,7 @@ class StepBatch:
                     if chosen[-1] < 0 or (logits is not None and not np.isfinite(logits[len(chosen) - 1, chosen[-1]])):
                         raise NonFiniteLogits(chosen[-1])
                 else:
-                    p = np.stack([probabilities(row, r.params) for row in logits])
-                    chosen = accept(p, proposal, r.rng)
+                    chosen = accept(lambda i: probabilities(logits[i], r.params), proposal, r.rng)
             except NonFiniteLogits:
                 r.error = NonFiniteLogitsError(r.index, len(r.tokens) + 1)
                 r.finish_reason = "error"
