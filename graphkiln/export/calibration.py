@@ -39,9 +39,14 @@ def calibration_ids(checkpoint: Path, limit: int, vocab_size: int) -> list[int] 
     return ids if len(ids) >= 2 else None
 
 
-def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:
+def input_importance(decoder, ids: list[int], progress=None) -> dict[str, np.ndarray]:
     """{weight parameter name: float32 [in_features] mean squared input} for every ``nn.Linear`` of
-    ``decoder`` (a ``models.decoder.DecoderForExport``) over one forward pass of ``ids``."""
+    ``decoder`` (a ``models.decoder.DecoderForExport``) over one forward pass of ``ids``.
+
+    A streamed decoder (``models.weights.load_decoder(streamed=True)``) runs the pass one layer at a
+    time (``_layer_by_layer``), the hidden states carried from layer to layer, as GPTQ/AWQ tools do."""
+    if getattr(decoder, "weights", None) is not None:
+        return _layer_by_layer(decoder, ids, progress)
     import torch
 
     cfg = decoder.cfg
@@ -87,4 +92,68 @@ def input_importance(decoder, ids: list[int]) -> dict[str, np.ndarray]:
         for h in hooks:
             h.remove()
     # (a tied head shares the embedding's parameter, but its Linear is lm_head: named by the module)
+    return {name: (s / seq).to(torch.float32).numpy() for name, s in sums.items()}
+
+
+def _layer_by_layer(decoder, ids: list[int], progress=None) -> dict[str, np.ndarray]:
+    """``input_importance`` of a streamed decoder: the same operations as its forward, in the same
+    order and dtype, with each layer read from the checkpoint (``CheckpointWeights.layer``) just
+    before it runs and dropped after, so the statistics are bit-identical to the whole-model pass
+    while memory holds one layer. The embedding rows of ``ids`` alone are read; the head's input is
+    the final norm of the last hidden states (the head itself is never read)."""
+    import torch
+
+    from graphkiln.models.decoder import embed, layer_stacks, scatter_vision_rows
+
+    cfg, weights = decoder.cfg, decoder.weights
+    dtype = weights.dtype
+    seq = len(ids)
+    sums: dict[str, torch.Tensor] = {}
+
+    def record(name, x):
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        sums[name] = sums.get(name, 0) + (x * x).sum(0)
+
+    with torch.no_grad():
+        unique = sorted(set(ids))
+        rows = torch.cat([weights.read_rows("model.embed_tokens.weight", i, i + 1) for i in unique])
+        table = torch.nn.Embedding.from_pretrained(rows, freeze=True)
+        local = torch.tensor([[unique.index(i) for i in ids]])
+        x = embed(cfg, table, local)
+        if cfg.vision_seam:  # no image rows
+            x = scatter_vision_rows(x, torch.zeros(0, cfg.hidden_size, dtype=dtype), torch.zeros(0, dtype=torch.long))
+        position_ids = torch.arange(seq).unsqueeze(0)
+        rope_position_ids = torch.arange(seq).expand(3, 1, seq).contiguous() if cfg.mrope_section else None
+        lookahead = torch.zeros(1, seq, dtype=torch.long) if cfg.image_lookahead else None
+        seq_lens = slot_idx = None
+        if decoder.has_conv:
+            seq_lens, slot_idx = torch.tensor([seq]), torch.tensor([0])
+        routing = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)) if cfg.lora is not None else None
+        stacks = {}
+        if cfg.lora is not None:
+            from graphkiln.export.onnx_export import lora_stack_specs
+
+            stacks = layer_stacks(cfg, range(cfg.num_layers),
+                                  [torch.zeros(t.shape) for t in lora_stack_specs(cfg, range(cfg.num_layers))])
+        rope = {name: decoder._rope(name, rope_position_ids) for name in decoder.rope_flavors}
+        for i in range(cfg.num_layers):
+            if cfg.layers[i].mixer == "attention":
+                states = [torch.zeros(1, cfg.num_kv_heads, seq, cfg.head_dim, dtype=dtype) for _ in range(2)]
+            else:
+                states = [torch.zeros(1, *state.shape, dtype=dtype) for state in cfg.slot_states(i)]
+            layer = weights.layer(i)
+            hooks = [m.register_forward_hook(lambda mod, inp, out, n=f"model.layers.{i}.{name}.weight": record(n, inp[0]))
+                     for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+            try:
+                lora = (*routing, stacks[i]) if stacks.get(i) else None
+                x, _ = layer(x, rope, position_ids, states, slot_idx, seq_lens, lookahead, lora)
+            finally:
+                for h in hooks:
+                    h.remove()
+            weights.release()
+            if progress is not None:
+                progress(i)
+        index = torch.arange(seq).unsqueeze(0)
+        x = torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        record("lm_head.weight", decoder.model.norm(x))
     return {name: (s / seq).to(torch.float32).numpy() for name, s in sums.items()}

@@ -42,6 +42,69 @@ _INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 # Sub-blocks checked for non-finite values at a time: the bool scratch stays in cache.
 _CHECK_STEP = 1 << 18
 
+# The location of an initializer whose bytes are not written yet (``defer``): the streamed export
+# declares every weight in the graph but makes its bytes only when the final data file is written.
+DEFERRED_LOCATION = "graphkiln-deferred"
+# out_dir -> {initializer name -> producer}: what ``read_initializer`` and ``rewrite_external_data``
+# call for a deferred initializer. Entries live until ``forget_deferred(out_dir)`` (the export's end).
+_DEFERRED: dict[Path, dict[str, object]] = {}
+
+
+def defer(tensor, producer, base_dir) -> None:
+    """Declare ``tensor`` (an ``onnx.TensorProto`` with name, type and dims set, no data) as deferred:
+    its bytes are ``producer()`` (a numpy array of exactly that type and shape, or an object with
+    ``numpy()``), made when a pass reads it (``read_initializer``) or when the data file is written
+    (``rewrite_external_data``). A producer is called once per use and should not keep its result,
+    so at most the tensor being written is in memory."""
+    from onnx import TensorProto
+
+    tensor.data_location = TensorProto.EXTERNAL
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", DEFERRED_LOCATION
+    _DEFERRED.setdefault(Path(base_dir).resolve(), {})[tensor.name] = producer
+
+
+def deferred_producer(init, base_dir):
+    """The producer ``defer`` registered for this initializer, or None when it is not deferred."""
+    from onnx import TensorProto
+
+    if init.data_location != TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in init.external_data}
+    if info.get("location") != DEFERRED_LOCATION:
+        return None
+    producer = _DEFERRED.get(Path(base_dir).resolve(), {}).get(init.name) if base_dir is not None else None
+    if producer is None:
+        raise ValueError(f"initializer {init.name!r} is deferred but nothing produces it")
+    return producer
+
+
+def has_deferred(model) -> bool:
+    """Whether any main-graph initializer of this ``onnx.ModelProto`` is still deferred."""
+    return any(e.key == "location" and e.value == DEFERRED_LOCATION for t in model.graph.initializer
+               for e in t.external_data)
+
+
+def forget_deferred(base_dir) -> None:
+    _DEFERRED.pop(Path(base_dir).resolve(), None)
+
+
+def _produce(producer, init) -> np.ndarray:
+    from onnx import helper
+
+    arr = producer() if callable(producer) else producer.numpy()
+    arr = np.asarray(arr)
+    expected = tuple(init.dims)
+    if arr.shape != expected:
+        raise ValueError(f"deferred initializer {init.name!r} was made with shape {arr.shape}, declared {expected}")
+    want = helper.tensor_dtype_to_np_dtype(init.data_type)
+    if arr.dtype.itemsize != np.dtype(want).itemsize:
+        raise ValueError(f"deferred initializer {init.name!r} was made as {arr.dtype}, declared {want}")
+    return arr
+
 
 class NonFiniteWeight(GraphkilnError):
     """An initializer holds NaN or +-Inf. ``initializer`` is its ONNX name (usually the torch
@@ -93,10 +156,16 @@ def check_finite(name: str, tensor) -> None:
             raise NonFiniteWeight(name)
 
 
-def save_model(model, path: Path, data_name: str | None = None, size_threshold: int = SIZE_THRESHOLD) -> None:
+def save_model(model, path: Path, data_name: str | None = None, size_threshold: int = SIZE_THRESHOLD,
+               defer_streamed: bool = False) -> None:
     """Write ``model`` to ``path`` and its large initializers to ``data_name`` next to it
-    (default: ``<file name>.data``), replacing both files."""
+    (default: ``<file name>.data``), replacing both files. Streamed weights
+    (``export.streamed_weights``) are read from the checkpoint as they are written; with
+    ``defer_streamed`` they are not written at all but declared deferred (``defer``), for a
+    lowering that rewrites the data file anyway (quantization) to make them once, there."""
     import onnx_ir as ir
+
+    from graphkiln.export.streamed_weights import is_streamed
 
     path = Path(path)
     data_name = data_name or f"{path.name}.data"
@@ -104,11 +173,14 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
     missing = [v.name for v in values if v.const_value is None]
     if missing:
         raise ValueError(f"the model has initializers without values: {missing[:5]}")
+    deferred = [v for v in values if defer_streamed and is_streamed(v.const_value)]
+    values = [v for v in values if not (defer_streamed and is_streamed(v.const_value))]
     big = [v for v in values if v.const_value.nbytes > size_threshold]
     for v in values:  # the ones staying inline are checked here, the others as they are written
         if v.const_value.nbytes <= size_threshold:
             check_finite(v.name, v.const_value)
     originals = [v.const_value for v in big]
+    streamed = [v.const_value for v in deferred]
     try:
         with open(path.parent / data_name, "wb", buffering=0) as f:
             lengths = _write_tensors(f, originals, [v.name for v in big])
@@ -121,9 +193,16 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
                 doc_string=tensor.doc_string, metadata_props=dict(tensor.metadata_props), base_dir=path.parent,
             )
             offset += length
+        for value, tensor in zip(deferred, streamed):
+            value.const_value = ir.ExternalTensor(DEFERRED_LOCATION, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+                                                  name=tensor.name, base_dir=path.parent)
         ir.save(model, path)  # external tensors keep their location/offset/length
+        for value, tensor in zip(deferred, streamed):
+            _DEFERRED.setdefault(path.parent.resolve(), {})[value.name] = tensor
     finally:
         for value, tensor in zip(big, originals):
+            value.const_value = tensor
+        for value, tensor in zip(deferred, streamed):
             value.const_value = tensor
 
 
@@ -140,15 +219,17 @@ def _write_tensors(f, tensors, names=None) -> list[int]:
         try:
             for tensor, name in zip(tensors, names):
                 length = 0
-                arr = _plain_array(tensor)
-                check = _finite_check(arr)
-                for block, scratch in _blocks(tensor, pool, arr):
-                    if check is not None and not check(block):
-                        raise NonFiniteWeight(name)
-                    pending.append((writer.submit(_write_all, f, block), scratch))
-                    length += len(block)
-                    while len(pending) > _QUEUE_DEPTH:
-                        _finish(pending.popleft(), pool)
+                for piece in _pieces(tensor):
+                    arr = _plain_array(piece)
+                    check = _finite_check(arr)
+                    for block, scratch in _blocks(piece, pool, arr):
+                        if check is not None and not check(block):
+                            raise NonFiniteWeight(name)
+                        pending.append((writer.submit(_write_all, f, block), scratch))
+                        length += len(block)
+                        while len(pending) > _QUEUE_DEPTH:
+                            _finish(pending.popleft(), pool)
+                    del arr
                 lengths.append(length)
             while pending:
                 _finish(pending.popleft(), pool)
@@ -156,6 +237,19 @@ def _write_tensors(f, tensors, names=None) -> list[int]:
             for future, _ in pending:
                 future.cancel()
     return lengths
+
+
+def _pieces(tensor):
+    """The tensor as consecutive row bands to write: a streamed weight's own bands
+    (``export.streamed_weights``), read one at a time; any other tensor whole."""
+    pieces = getattr(tensor, "pieces", None)
+    if pieces is None:
+        yield tensor
+        return
+    import onnx_ir as ir
+
+    for band in pieces():
+        yield ir.Tensor(band)
 
 
 def _finish(item, pool: _BufferPool) -> None:
@@ -274,6 +368,9 @@ def read_initializer(init, base_dir) -> np.ndarray:
 
     if init.data_location != TensorProto.EXTERNAL or init.HasField("raw_data"):
         return numpy_helper.to_array(init)
+    producer = deferred_producer(init, base_dir)
+    if producer is not None:
+        return _produce(producer, init)
     if base_dir is None:
         raise ValueError(f"initializer {init.name!r} is stored as external data: pass base_dir")
     info = {e.key: e.value for e in init.external_data}
@@ -288,7 +385,8 @@ def read_initializer(init, base_dir) -> np.ndarray:
     return arr.reshape(tuple(init.dims))
 
 
-def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_data_name: str | None = None) -> None:
+def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_data_name: str | None = None,
+                          say_each=None) -> None:
     """Save an ``onnx.ModelProto`` whose main-graph initializers are partly in memory and partly
     still in ``path``'s data file (``<file name>.data``), replacing both files.
 
@@ -301,11 +399,14 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     With ``extra_data_name`` the data file is shared with other graphs and left untouched:
     initializers still on disk keep pointing into it, and only the in-memory ones are written,
     to ``extra_data_name`` (beside ``path``).
+
+    Deferred initializers (``defer``) are made here, one at a time in initializer order, checked
+    for NaN/Inf and written; ``say_each(name)`` is called after each (progress).
     """
     import os
 
     import onnx
-    from onnx import TensorProto, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     path = Path(path)
     data_name = f"{path.name}.data"
@@ -313,11 +414,46 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     if extra_data_name is not None:
         old, new, data_name = path.parent / extra_data_name, path.parent / f"{extra_data_name}.partial", extra_data_name
     offset = 0
+    pool = _BufferPool()
     with open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
         for t in model.graph.initializer:
-            if t.data_location == TensorProto.EXTERNAL and extra_data_name is not None:
+            producer = deferred_producer(t, path.parent)
+            small = producer is not None and int(np.prod(t.dims, dtype=np.int64)) * np.dtype(
+                helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize <= size_threshold
+            if small:  # inline, as a small tensor made in memory would be (same rule as below)
+                arr = np.ascontiguousarray(_produce(producer, t))
+                check_finite(t.name, _NumpyTensor(arr))
+                saved = list(t.external_data)
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+                t.raw_data = arr.tobytes()
+                if t.ByteSize() <= size_threshold:
+                    continue
+                t.ClearField("raw_data")
+                t.data_location = TensorProto.EXTERNAL
+                t.external_data.extend(saved)
+            if producer is not None:  # made now, written, and let go
+                pieces = producer.pieces() if hasattr(producer, "pieces") else (_produce(producer, t),)
+                length = 0
+                for arr in pieces:
+                    plain = _plain_array_np(arr)
+                    check = _finite_check(plain)
+                    for block, scratch in _blocks(_NumpyTensor(arr), pool, plain):
+                        if check is not None and not check(block):
+                            raise NonFiniteWeight(t.name)
+                        length += _write_all(dst, block)
+                        if scratch is not None:
+                            pool.give_back(scratch)
+                    del arr, plain
+                expected = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(
+                    helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+                if length != expected:
+                    raise ValueError(f"deferred initializer {t.name!r}: wrote {length} bytes, expected {expected}")
+                if say_each is not None:
+                    say_each(t.name)
+            elif t.data_location == TensorProto.EXTERNAL and extra_data_name is not None:
                 continue  # stays in the shared data file
-            if t.data_location == TensorProto.EXTERNAL:
+            elif t.data_location == TensorProto.EXTERNAL:
                 info = {e.key: e.value for e in t.external_data}
                 if info.get("location") != data_name:
                     raise ValueError(f"initializer {t.name!r} lives in {info.get('location')!r}, not {data_name!r}")
@@ -346,3 +482,27 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     onnx.save(model, str(path))
     os.replace(new, old)
     old.chmod(path.stat().st_mode & 0o777)
+
+
+def _plain_array_np(arr: np.ndarray) -> np.ndarray | None:
+    """``_plain_array`` for a numpy array."""
+    if sys.byteorder != "little" or arr.dtype.hasobject or arr.dtype.itemsize not in _INT_OF_WIDTH:
+        return None
+    return arr
+
+
+class _NumpyTensor:
+    """The ``tobytes`` fallback ``_blocks`` needs, over a numpy array."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def tobytes(self) -> bytes:
+        return self.arr.tobytes()
+
+    def numpy(self) -> np.ndarray:
+        return self.arr
+
+    @property
+    def nbytes(self) -> int:
+        return self.arr.nbytes

@@ -128,8 +128,11 @@ def _export_decoder(plan: GraphPlan, ctx: ExportContext) -> ExportedGraph:
     from graphkiln.export.onnx_export import export_decoder
 
     cfg, t1 = ctx.cfg, time.perf_counter()
+    # a quantized single-target export rewrites the data file anyway: the weights are made there,
+    # once, quantized on the way (external_data.defer), never written in full precision first
+    defer = bool(ctx.opts.quant) and ctx.targets == ("onnxruntime",)
     try:
-        traced = export_decoder(ctx.decoder, ctx.out_dir, ctx.opts.opset)
+        traced = export_decoder(ctx.decoder, ctx.out_dir, ctx.opts.opset, defer_weights=defer)
     except NonFiniteWeight as exc:
         raise ctx.non_finite(exc) from None
     ctx.release_decoder()  # before the lowering, which loads (some of) the weights again

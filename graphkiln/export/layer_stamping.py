@@ -274,7 +274,7 @@ def stamp_layers(model, decoder, reps: tuple[int, ...], ins: list[TensorSpec], o
             vmap[v] = inputs_by_name[_of_layer(v.name, i)]
         for v, (wk, pname, transform) in weight_of.items():
             if wk == k:
-                vmap[v] = _weight_value(ir, graph, module, i, pname, transform)
+                vmap[v] = _weight_value(ir, graph, module, i, pname, transform, getattr(decoder, "weights", None))
         state_out_names = {v: _of_layer(v.name, i) for v in layer.states_out}
         copies += [_copy_node(ir, node, vmap, f"layers.{i}.", state_out_names) for node in layer.nodes]
         for v, name in state_out_names.items():
@@ -374,19 +374,27 @@ def _match_folded(value, params_t: list[dict]):
     return "opaque"
 
 
-def _weight_value(ir, graph, module: nn.Module, i: int, pname: str, transform):
+def _weight_value(ir, graph, module: nn.Module, i: int, pname: str, transform, weights=None):
     """Layer i's initializer for template parameter ``pname`` (transformed as the template's was)."""
     suffix = "" if transform is None else ".T" if transform == "T" else ".reshaped"
     name = f"model.layers.{i}.{pname}{suffix}"
     if name in graph.initializers:
         return graph.initializers[name]
-    arr = _numpy_view(module.get_parameter(pname))
-    if transform == "T":
-        arr = arr.T
-    elif transform is not None:
-        arr = arr.reshape(transform[1])
-    tensor = ir.Tensor(arr, name=name)
-    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(arr.shape), const_value=tensor)
+    param = module.get_parameter(pname)
+    if param.is_meta:  # a streamed decoder's layer (models.weights.load_decoder): read as it is written
+        from graphkiln.export.streamed_weights import streamed_weight
+
+        shape = tuple(param.shape)
+        shape = shape[::-1] if transform == "T" else shape if transform is None else tuple(transform[1])
+        tensor = streamed_weight(weights, f"model.layers.{i}.{pname}", transform, shape, name)
+    else:
+        arr = _numpy_view(param)
+        if transform == "T":
+            arr = arr.T
+        elif transform is not None:
+            arr = arr.reshape(transform[1])
+        tensor = ir.Tensor(arr, name=name)
+    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tuple(tensor.shape)), const_value=tensor)
     graph.register_initializer(value)
     return value
 

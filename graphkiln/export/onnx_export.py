@@ -104,9 +104,11 @@ class TracedDecoder:
 
 
 def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx",
-                   stamp: bool = True) -> TracedDecoder:
+                   stamp: bool = True, defer_weights: bool = False) -> TracedDecoder:
     """Trace the decoder (one layer per kind, stamped; see ``layer_stamping``), attach custom-op
-    functions, save."""
+    functions, save. A streamed decoder (``models.weights.load_decoder(streamed=True)``) has its
+    other layers, embedding and head read from the checkpoint as the data file is written, or
+    with ``defer_weights`` declared deferred for the lowering to make (``external_data.defer``)."""
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
     from graphkiln.export.layer_stamping import StampRefused, stamp_layers, template_layers, template_model
@@ -125,14 +127,86 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
             refused, reps = str(exc), tuple(range(cfg.num_layers))
             del program
     if len(reps) == cfg.num_layers:
+        if getattr(model, "weights", None) is not None:  # streamed: tracing every layer needs them all
+            model = materialized(model)
         program = _trace(model, opset)
-    name_head_weight(program.model, model)
+    if getattr(model, "weights", None) is not None:
+        bind_streamed_tables(program.model, model)
+    else:
+        name_head_weight(program.model, model)
     used = custom_ops.attach_functions(program.model)
     program.model.ir_version = IR_FOR_OPSET[opset]
     program.model.producer_name = "graphkiln"
-    save_model(program.model, out_dir / file_name)
+    save_model(program.model, out_dir / file_name, defer_streamed=defer_weights)
     del program
     return TracedDecoder(GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used, reps, refused)
+
+
+def materialized(model: DecoderForExport) -> DecoderForExport:
+    """A streamed decoder with every parameter read (the trace-every-layer fallback, which needs
+    them all: this one path holds the whole model)."""
+    weights = model.weights
+    for i, layer in enumerate(model.model.layers):
+        if any(p.is_meta for p in layer.parameters()):
+            model.model.layers[i] = weights.layer(i)
+            weights.release()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        owner, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        setattr(owner, attr, torch.nn.Parameter(weights.read(name), requires_grad=False))
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.weights = None
+    weights.close()
+    return model
+
+
+def bind_streamed_tables(ir_model, model) -> None:
+    """Give a streamed decoder's traced graph the checkpoint's embedding and head.
+
+    They were traced as uninitialised placeholders (``models.weights.PLACEHOLDER_PARAMS``): the
+    embedding initializer keeps its name, and an untied head is the exporter's folded transpose of
+    the placeholder (a view of its memory, ``val_38``), named ``lm_head.weight.T`` here as
+    ``name_head_weight`` names it. Both become ``StreamedWeight``s. Any other initializer of a
+    table's size means the exporter computed something from a placeholder's (garbage) values:
+    refused rather than written."""
+    from graphkiln.export.streamed_weights import is_streamed, streamed_weight
+
+    graph = ir_model.graph
+    weights = model.weights
+    emb = model.model.embed_tokens.weight
+    head = model.lm_head.weight
+    tied = head is emb
+    tables = {"model.embed_tokens.weight": emb} | ({} if tied else {"lm_head.weight": head})
+    views = {name: t.detach().view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
+             for name, t in tables.items()}
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is None or is_streamed(tensor) or tensor.size not in {t.numel() for t in tables.values()}:
+            continue
+        try:
+            arr = tensor.numpy()
+        except Exception:
+            arr = None
+        source = next((n for n, v in views.items() if arr is not None and np.may_share_memory(arr, v)), None)
+        if source is None:
+            if name in graph.initializers and name.startswith("model.layers."):
+                continue  # a layer weight as large as a table: its own
+            raise GraphkilnError(f"the exporter computed initializer {name} from the placeholder embedding or head "
+                                 "of a streamed export: report this with the checkpoint's config.json")
+        shape = tuple(tensor.shape)
+        own = tuple(tables[source].shape)
+        transform = None if shape == own else "T"
+        if transform == "T" and shape != own[::-1]:
+            raise GraphkilnError(f"initializer {name} is a {shape} view of {source} {own}: report this with the "
+                                 "checkpoint's config.json")
+        # a tied table keeps the name the exporter gave it (either parameter's)
+        keep = transform is None and name in ("model.embed_tokens.weight", "lm_head.weight")
+        new_name = name if keep else source if transform is None else f"{source}.T"
+        if new_name != name:
+            graph.initializers.pop(name)
+            value.name = new_name
+            graph.register_initializer(value)
+        value.const_value = streamed_weight(weights, source, transform, shape, new_name)
 
 
 def name_head_weight(ir_model, model) -> None:

@@ -343,7 +343,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src, Path(model))) as tmp:
         t0 = time.perf_counter()
         _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
-        decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress)
+        decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress, streamed=True)
         decoder.set_rope_positions(max_seq_len)
         decoder.return_hidden_states = bool(opts.return_hidden_states)
         quant_inputs = None

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from graphkiln.errors import GraphkilnError
@@ -341,46 +342,168 @@ def check_checkpoint(model_dir: Path, family: ModelFamily, cfg: DecoderConfig) -
     _plan(reader, family, cfg, _meta_decoder(cfg, ropes))
 
 
-def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str, progress: bool = True) -> DecoderForExport:
-    torch_dtype = DTYPES[dtype]
-    ropes = rope_tables_inputs(cfg)
-    model = _meta_decoder(cfg, ropes)
-    for flavor, (inv, _) in ropes.items():  # computed buffers, not stored in checkpoints
-        setattr(model, f"inv_freq_{flavor}", inv)
+# Parameters a streamed decoder (``load_decoder(streamed=True)``) holds as uninitialised placeholders
+# for tracing: the graph needs their shapes, never their values, and untouched pages cost no memory.
+PLACEHOLDER_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
+LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 
-    reader = _Reader(_open_shards(model_dir))
-    wanted = _wanted(model, cfg)
-    sources = _plan(reader, family, cfg, model)
 
-    offset_norms = _offset_norm_weights(model, cfg)
-    state: dict[str, torch.Tensor] = {}
-    try:
-        for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-            t = reader.read(sources[name])
-            expected = tuple(wanted[name].shape)
-            if tuple(t.shape) != expected:
-                raise GraphkilnError(
-                    f"weight '{name}' has shape {tuple(t.shape)} but config.json implies {expected}: "
-                    "the safetensors files do not match config.json"
-                )
-            if name in offset_norms:  # 1 + w in fp32, as the reference computes it, then the model dtype
-                t = t.to(torch.float32) + cfg.norm_weight_offset
-            state[name] = t if t.dtype == torch_dtype else t.to(torch_dtype)
-            del t
-    finally:
-        reader.close()
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for module in model.modules():  # parameters a module derives once from the loaded ones (mamba2's A)
+def _layer_of(name: str) -> int | None:
+    m = LAYER_PREFIX.match(name)
+    return int(m.group(1)) if m else None
+
+
+class CheckpointWeights:
+    """The decoder's parameters read from the checkpoint's shards one at a time, exactly as
+    ``load_decoder`` binds them (sources resolved and checked by ``_plan``, norm offsets added in
+    fp32, converted to the export dtype, modules' ``fold_loaded`` applied).
+
+    The streamed export's source of weights: the traced graph holds only one layer of each kind,
+    and every other weight is read from here as it is written, quantized or run. ``layer(i)``
+    builds layer i as a real module and keeps only the last one built, so a pass that visits
+    layers in order holds one layer at a time. Owns open shard handles until ``close``."""
+
+    def __init__(self, model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str) -> None:
+        self.cfg, self.dtype_name, self.dtype = cfg, dtype, DTYPES[dtype]
+        self.ropes = rope_tables_inputs(cfg)
+        self.reader = _Reader(_open_shards(model_dir))
+        meta = _meta_decoder(cfg, self.ropes)
+        wanted = _wanted(meta, cfg)
+        self.shapes = {n: tuple(p.shape) for n, p in wanted.items()}
+        self.sources = _plan(self.reader, family, cfg, meta)
+        self.offset_norms = _offset_norm_weights(meta, cfg)
+        self._layer: tuple[int, nn.Module] | None = None
+
+    def names(self) -> list[str]:
+        """Every parameter the checkpoint provides (a tied head is the embedding's: not listed)."""
+        return list(self.sources)
+
+    def stored_bytes(self, name: str) -> int:
+        """The checkpoint bytes behind one parameter (what reading it costs)."""
+        return sum(self.reader.header(n)["data_offsets"][1] - self.reader.header(n)["data_offsets"][0]
+                   for n in _leaves(self.sources[self._own(name)]))
+
+    def _own(self, name: str) -> str:
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and self.cfg.tie_word_embeddings else name
+
+    def read(self, name: str) -> torch.Tensor:
+        """One parameter as ``load_decoder`` binds it (no module folds: see ``layer``)."""
+        name = self._own(name)
+        t = self.reader.read(self.sources[name])
+        expected = self.shapes[name]
+        if tuple(t.shape) != expected:
+            raise GraphkilnError(f"weight '{name}' has shape {tuple(t.shape)} but config.json implies {expected}: "
+                                 "the safetensors files do not match config.json")
+        if name in self.offset_norms:  # 1 + w in fp32, as the reference computes it, then the model dtype
+            t = t.to(torch.float32) + self.cfg.norm_weight_offset
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
+    def read_stored(self, name: str) -> torch.Tensor:
+        """One parameter in the checkpoint's own dtype, before folds and conversion (a table to be
+        converted a band at a time)."""
+        name = self._own(name)
+        if name in self.offset_norms:
+            return self.read(name)
+        return self.reader.read(self.sources[name])
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a plain stored 2-D parameter (the embedding, the head), read from
+        the file without the rest; parameters assembled from several tensors are read whole."""
+        name = self._own(name)
+        src = self.sources[name]
+        entry = self.reader._entry(src) if isinstance(src, str) else None
+        if entry is None or len(entry.shape) != 2 or name in self.offset_norms:
+            return self.read(name)[start:stop]
+        row = (entry.end - entry.begin) // entry.shape[0]
+        out = torch.empty((stop - start, entry.shape[1]), dtype=entry.dtype)
+        with open(entry.shard, "rb") as f:
+            f.seek(entry.begin + start * row)
+            got = f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
+        if got != (stop - start) * row:
+            raise GraphkilnError(f"{entry.shard.name} is truncated reading '{src}': re-download or re-save the checkpoint")
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
+    def layer(self, i: int) -> nn.Module:
+        """Layer i as a real ``DecoderLayer`` (eval, no grad, folds applied); the previous layer
+        built is released."""
+        if self._layer is not None and self._layer[0] == i:
+            return self._layer[1]
+        self._layer = None
+        from graphkiln.models.decoder import DecoderLayer
+
+        with torch.device("meta"):
+            module = DecoderLayer(self.cfg, self.cfg.layers[i])
+        prefix = f"model.layers.{i}."
+        state = {n[len(prefix):]: self.read(n) for n in self.sources if n.startswith(prefix)}
+        module.load_state_dict(state, strict=True, assign=True)
+        _finish(module)
+        self._layer = (i, module)
+        return module
+
+    def release(self) -> None:
+        """Drop the layer ``layer`` built last."""
+        self._layer = None
+
+    def close(self) -> None:
+        self._layer = None
+        self.reader.close()
+
+
+def _finish(model: nn.Module) -> nn.Module:
+    """Folds derived once from loaded parameters (mamba2's A), no gradients, eval mode."""
+    for module in model.modules():
         fold = getattr(module, "fold_loaded", None)
         if fold is not None:
             fold()
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def load_decoder(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dtype: str, progress: bool = True,
+                 streamed: bool = False) -> DecoderForExport:
+    """The decoder with the checkpoint's weights bound. ``streamed``: only what tracing needs is read
+    (the first layer of each kind and the small non-layer parameters); the embedding and head are
+    uninitialised placeholders of their shapes and every other layer stays on the meta device.
+    ``decoder.weights`` (``CheckpointWeights``) then reads the rest one tensor or layer at a time;
+    the caller closes it."""
+    torch_dtype = DTYPES[dtype]
+    ropes = rope_tables_inputs(cfg)
+    model = _meta_decoder(cfg, ropes)
+    for flavor, (inv, _) in ropes.items():  # computed buffers, not stored in checkpoints
+        setattr(model, f"inv_freq_{flavor}", inv)
+
+    weights = CheckpointWeights(model_dir, family, cfg, dtype)
+    wanted = _wanted(model, cfg)
+    resident = set(wanted)
+    if streamed:
+        from graphkiln.export.layer_stamping import template_layers
+
+        reps = set(template_layers(cfg))
+        resident = {n for n in wanted if n not in PLACEHOLDER_PARAMS and _layer_of(n) in (None, *reps)}
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+            if name in resident:
+                state[name] = weights.read(name)
+            elif name in PLACEHOLDER_PARAMS:
+                state[name] = torch.empty(wanted[name].shape, dtype=torch_dtype)
+            else:
+                state[name] = torch.empty(wanted[name].shape, dtype=torch_dtype, device="meta")
+    except BaseException:
+        weights.close()
+        raise
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _finish(model)
+    if streamed:
+        model.weights = weights
+    else:
+        weights.close()
+    return model
 
 
 def _offset_norm_weights(model: DecoderForExport, cfg: DecoderConfig) -> set[str]:

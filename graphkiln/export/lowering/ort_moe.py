@@ -59,7 +59,7 @@ _RELU2_ALPHA = 1.0e30  # see the module docstring: makes ORT's SwiGLU on duplica
 _SWIGLU, _RELU2, _SWIGLU_CLAMPED = 0, 1, 2  # graphkiln.ops.moe's activation codes
 
 
-def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
+def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None) -> int:
     """Rewrite every ``graphkiln.MoE`` node of ``model.graph`` for onnxruntime, in place.
 
     Each node becomes fp32 routing in standard ops + one ``com.microsoft.MoE`` (+ a Mul
@@ -72,6 +72,10 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
     once unused.
     Nodes whose weights have a type ORT's MoE has no CPU kernel for (e.g. bfloat16) are
     left as they are. Returns the number of nodes rewritten.
+
+    With ``base_dir`` (where the graph's external data is), a ``gate_up`` stored as external or
+    deferred data is not loaded: its interleaved copy is deferred (``external_data.defer``), made
+    from it one tensor at a time when the data file is rewritten.
     """
     graph = model.graph
     default_opset = _default_opset(model)
@@ -86,7 +90,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
     rewritten = 0
     for node in graph.node:
         if node.domain == DOMAIN and node.op_type == MOE_OP:
-            lowered = _lower_node(node, inits, elem_types, names, interleaved, default_opset, graph)
+            lowered = _lower_node(node, inits, elem_types, names, interleaved, default_opset, graph, base_dir)
             if lowered is not None:
                 new_nodes.extend(lowered)
                 replaced_inputs.update(n for n in node.input if n in inits)
@@ -107,7 +111,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto) -> int:
 # --------------------------------------------------------------------------- one node
 
 
-def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
+def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_dir=None):
     hidden, logits, gate_up, down = node.input[:4]
     bias, gate_up_bias, down_bias = (node.input[i] if len(node.input) > i else "" for i in (4, 5, 6))
     (out,) = node.output
@@ -173,7 +177,7 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph):
         router = add("CastLike", [router, hidden])
 
     rows = "doubled" if activation == _RELU2 else "interleaved"
-    fc1 = _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset)
+    fc1 = _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset, base_dir)
     fc1_bias = fc2_bias = ""
     if gate_up_bias and not _is_zero_initializer(inits.get(gate_up_bias)):
         fc1_bias = _fc1_rows(_as_elem(gate_up_bias, elem, elem_types, hidden, add), rows, inits, names, interleaved,
@@ -225,7 +229,7 @@ def _as_elem(value, elem, elem_types, hidden, add) -> str:
     return value if known == elem else add("Cast", [value], to=elem)
 
 
-def _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset) -> str:
+def _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset, base_dir=None) -> str:
     """fc1 (or its bias) for ORT, rows along axis 1: ``rows`` "interleaved": gate_up [E, 2I, ...]
     (gate rows, then up rows) -> rows g0, u0, g1, u1, ...; "doubled": the relu² experts' up
     rows [E, I, ...] -> u0, u0, u1, u1, ... (gate = up, see the module docstring)."""
@@ -247,24 +251,36 @@ def _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset
     key = (gate_up, rows)
     if key in interleaved:
         return interleaved[key]
-    arr = _initializer_array(init)
-    if arr.ndim not in (2, 3) or (rows == "interleaved" and arr.shape[1] % 2):
-        raise ValueError(f"{gate_up!r} has shape {arr.shape}; expected [E, 2I, H] or [E, 2I] (gate then up rows), "
+    external = init.data_location == TensorProto.EXTERNAL and not init.HasField("raw_data")
+    shape = tuple(init.dims) if external and base_dir is not None else _initializer_array(init).shape
+    if len(shape) not in (2, 3) or (rows == "interleaved" and shape[1] % 2):
+        raise ValueError(f"{gate_up!r} has shape {shape}; expected [E, 2I, H] or [E, 2I] (gate then up rows), "
                          "or [E, I, H] / [E, I] for relu² experts")
-    tail = arr.shape[2:]
-    if rows == "doubled":
-        arr = np.ascontiguousarray(np.repeat(arr, 2, axis=1))
-    else:
-        e, two_i = arr.shape[:2]
-        arr = np.ascontiguousarray(arr.reshape(e, 2, two_i // 2, *tail).swapaxes(1, 2).reshape(e, two_i, *tail))
     name = names.fresh(f"{gate_up}.ort_{rows}")
     tensor = graph.initializer.add()  # filled in place: no copy of a temporary TensorProto
     tensor.name = name
     tensor.data_type = init.data_type
-    tensor.dims.extend(arr.shape)
-    tensor.raw_data = arr.tobytes()
+    tensor.dims.extend((shape[0], shape[1] * (2 if rows == "doubled" else 1), *shape[2:]))
+    if external and base_dir is not None:  # made when the data file is written, one tensor at a time
+        from graphkiln.export.external_data import defer, read_initializer
+
+        source = TensorProto()
+        source.CopyFrom(init)  # the original may be dropped from the graph before it is read
+        defer(tensor, lambda: _fc1_layout(read_initializer(source, base_dir), rows), base_dir)
+    else:
+        tensor.raw_data = _fc1_layout(_initializer_array(init), rows).tobytes()
     interleaved[key] = name
     return name
+
+
+def _fc1_layout(arr: np.ndarray, rows: str) -> np.ndarray:
+    """gate_up [E, 2I, ...] with gate rows then up rows -> interleaved (g0, u0, g1, ...); or the
+    relu² experts' up rows doubled (u0, u0, u1, ...)."""
+    tail = arr.shape[2:]
+    if rows == "doubled":
+        return np.ascontiguousarray(np.repeat(arr, 2, axis=1))
+    e, two_i = arr.shape[:2]
+    return np.ascontiguousarray(arr.reshape(e, 2, two_i // 2, *tail).swapaxes(1, 2).reshape(e, two_i, *tail))
 
 
 # --------------------------------------------------------------------------- helpers

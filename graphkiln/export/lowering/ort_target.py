@@ -42,7 +42,7 @@ def release_exporter_references() -> None:
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
                           quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False,
-                          quant_method: str = "rtn", quant_inputs=None):
+                          quant_method: str = "rtn", quant_inputs=None, progress=None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), GatedDeltaRule and SsmScan ->
     com.microsoft.LinearAttention, Linear weights -> int4/int8 com.microsoft.MatMulNBits when
@@ -57,10 +57,10 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     import dataclasses
 
     import onnx
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    import numpy as np
 
     from graphkiln.ops.spec import DOMAIN
-    from graphkiln.export.external_data import rewrite_external_data
+    from graphkiln.export.external_data import has_deferred, read_initializer, rewrite_external_data
     from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime
     from graphkiln.export.lowering.ort_fusions import fuse_skip_rmsnorm, pack_gqa_qkv
     from graphkiln.export.lowering.ort_gated_delta import lower_gated_delta_for_onnxruntime
@@ -72,13 +72,14 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
     model = onnx.load(str(path), load_external_data=False)
     moe_nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MoE"]
     has_moe = bool(moe_nodes)
-    if has_moe:  # the MoE pass rewrites gate_up (and its bias) and checks the biases: load just those
-        wanted = {n.input[i] for n in moe_nodes for i in (2, 4, 5, 6) if len(n.input) > i}
+    if has_moe:  # the MoE pass checks the biases (small): load just those; gate_up is interleaved as it is written
+        wanted = {n.input[i] for n in moe_nodes for i in (4, 5, 6) if len(n.input) > i}
         for tensor in model.graph.initializer:
-            if tensor.name in wanted and uses_external_data(tensor):
-                load_external_data_for_tensor(tensor, str(out_dir))
+            if tensor.name in wanted and tensor.data_location == onnx.TensorProto.EXTERNAL:
+                arr = read_initializer(tensor, out_dir)
                 tensor.data_location = onnx.TensorProto.DEFAULT
                 del tensor.external_data[:]
+                tensor.raw_data = np.ascontiguousarray(arr).tobytes()
     graph, attention = lower_attention_for_onnxruntime(model, graph)
     recurrences = lower_gated_delta_for_onnxruntime(model)
     scans = lower_ssm_scan_for_onnxruntime(model)  # faster than the function (its module docstring)
@@ -99,9 +100,12 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         scheme = "symmetric" if quant_symmetric else "asymmetric"
         say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size}, {quant_method}) "
             f"in {time.perf_counter() - t0:.1f}s")
-    rewritten = lower_moe_for_onnxruntime(model) if has_moe else 0
-    if rewritten or quantized:  # weights changed: a new data file, streamed from the old one
-        rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None)
+    rewritten = lower_moe_for_onnxruntime(model, base_dir=out_dir) if has_moe else 0
+    if rewritten or quantized or has_deferred(model):  # weights changed: a new data file, streamed from the old one
+        t0 = time.perf_counter()
+        rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None,
+                              say_each=progress)
+        say(f"      wrote {path.name}'s weights in {time.perf_counter() - t0:.1f}s")
     elif attention or skip_norms or recurrences or scans:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))
     left = {n.op_type for n in model.graph.node if n.domain == DOMAIN}

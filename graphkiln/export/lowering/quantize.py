@@ -56,7 +56,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphkiln.batched_int8 import dequantize
 from graphkiln.export.block_quant import quantize_blocks
-from graphkiln.export.external_data import read_initializer
+from graphkiln.export.external_data import defer, deferred_producer, read_initializer
+from graphkiln.export.streamed_weights import is_streamed
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope, _drop_unused_initializers
 
@@ -155,30 +156,60 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     drop_nodes: set[int] = set()  # indices of folded bias Adds
     candidates: set[str] = set()
 
-    def write(weight: str, init: TensorProto, blocks) -> _Quantized:
-        """Add a weight's MatMulNBits tensors (B [N, k_blocks, blob], scales, zero points)."""
+    def write(weight: str, init: TensorProto, stored_nk: bool, make_blocks) -> _Quantized:
+        """Declare a weight's MatMulNBits tensors (B [N, k_blocks, blob], scales, zero points); with
+        ``base_dir`` they are deferred (``external_data.defer``): the blocks are made by
+        ``make_blocks()`` when the data file is written, one weight at a time."""
         nonlocal float_bytes, quant_bytes
-        q, scales, zp = pack_blocks(blocks, _FLOAT_TYPES[init.data_type])
+        dims = tuple(init.dims)
+        n, k = dims if stored_nk else dims[::-1]
+        param = weight.removesuffix(".T")
+        given = provided.get(param)
+        w_bits, w_block = (given.bits, given.block_size) if given is not None else (bits, block_size)
+        k_blocks = (k + w_block - 1) // w_block
+        mid = 1 << (w_bits - 1)
+        has_zp = (not bool((given.zero_points == mid).all())) if given is not None else not symmetric
+        dtype = _FLOAT_TYPES[init.data_type]
+        shapes = [(n, k_blocks, w_block * w_bits // 8), (n, k_blocks)]
+        kinds = [np.uint8, dtype]
+        if has_zp:
+            shapes.append((n, (k_blocks * w_bits + 7) // 8))
+            kinds.append(np.uint8)
         stem = weight.replace("/", "_")
-        tensors = [(names.fresh(f"{stem}.q{blocks.bits}"), q), (names.fresh(f"{stem}.scales"), scales)]
-        if zp is not None:
-            tensors.append((names.fresh(f"{stem}.zero_points"), zp))
-        for name, arr in tensors:
-            _add_initializer(graph, name, arr)
-        n, k = blocks.shape
-        float_bytes += k * n * np.dtype(_FLOAT_TYPES[init.data_type]).itemsize
-        quant_bytes += sum(arr.nbytes for _, arr in tensors)
+        tags = [f"q{w_bits}", "scales", "zero_points"][:len(shapes)]
+        tensor_names = [names.fresh(f"{stem}.{tag}") for tag in tags]
+        packer = _Packer(make_blocks, dtype, has_zp, w_bits)
+        for i, (name, shape, kind) in enumerate(zip(tensor_names, shapes, kinds)):
+            if base_dir is not None:
+                tensor = graph.initializer.add()
+                tensor.name = name
+                tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(kind))
+                tensor.dims.extend(shape)
+                defer(tensor, lambda i=i: packer.part(i), base_dir)
+            else:
+                _add_initializer(graph, name, packer.part(i))
+            quant_bytes += int(np.prod(shape)) * np.dtype(kind).itemsize
+        float_bytes += k * n * np.dtype(dtype).itemsize
         candidates.add(weight)
-        return _Quantized(tensors[0][0], tensors[1][0], tensors[2][0] if zp is not None else "", k, n, blocks.bits,
-                          blocks.block_size)
+        return _Quantized(tensor_names[0], tensor_names[1], tensor_names[2] if has_zp else "", k, n, w_bits, w_block)
 
     def blocks_of(weight: str, init: TensorProto, stored_nk: bool, how: str, feature_weights=None):
+        """A thunk making the weight's blocks: the checkpoint's own, or quantized from its [N, K]
+        floats (a streamed weight's parameter rows, read a band at a time; else the initializer)."""
         param = weight.removesuffix(".T")
         if param in provided:
-            return provided[param]
-        w = read_initializer(init, base_dir)
-        w_nk = w if stored_nk else w.T  # Linear weights are stored [K, N]; a tied head's table [N, K]
-        return quantize_blocks(w_nk, bits, block_size, symmetric, how, feature_weights)
+            return lambda: provided[param]
+
+        def make():
+            producer = deferred_producer(init, base_dir) if base_dir is not None else None
+            if is_streamed(producer) and len(producer.param_shape) == 2:
+                w_nk = _ParamRows(producer)
+            else:
+                w = read_initializer(init, base_dir)
+                w_nk = w if stored_nk else w.T  # Linear weights are stored [K, N]; a tied head's table [N, K]
+            return quantize_blocks(w_nk, bits, block_size, symmetric, how, feature_weights)
+
+        return make
 
     for idx, node in enumerate(nodes):
         plan = _plan(node, inits, transposed_weights)
@@ -187,8 +218,8 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         weight, transposed, bias = plan
         init = inits[weight]
         if (weight, transposed) not in quantized:
-            blocks = blocks_of(weight, init, transposed, method, importance.get(weight.removesuffix(".T")))
-            quantized[weight, transposed] = write(weight, init, blocks)
+            make = blocks_of(weight, init, transposed, method, importance.get(weight.removesuffix(".T")))
+            quantized[weight, transposed] = write(weight, init, transposed, make)
         qw = quantized[weight, transposed]
         out = node.output[0]
         if bias is None and node.op_type == "MatMul":  # fold a following bias Add
@@ -212,7 +243,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
             init = inits[table]
             if (table, True) not in quantized:  # not a tied head's table: quantized for the Gather alone
                 # (no importance: an embedding row's error goes into the residual stream as it is)
-                quantized[table, True] = write(table, init, blocks_of(table, init, True, "rtn" if method == "rtn" else "search"))
+                quantized[table, True] = write(table, init, True, blocks_of(table, init, True, "rtn" if method == "rtn" else "search"))
             replace[idx] = _gather_block_quantized(node, quantized[table, True], graph, names)
             embedding_nodes += 1
 
@@ -363,6 +394,61 @@ def pack_blocks(blocks, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | Non
         zp = zp[:, 0::2] | (zp[:, 1::2] << 4)
     return (np.ascontiguousarray(codes.reshape(n, k_blocks, block * bits // 8)),
             np.ascontiguousarray(blocks.scales.astype(dtype)), None if symmetric else np.ascontiguousarray(zp))
+
+
+class _ParamRows:
+    """A streamed weight's ``[N, K]`` parameter as ``quantize_blocks`` reads it: ``shape`` and row
+    slices, each slice read when asked (``StreamedWeight.rows``), in fp32 as quantization works."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+        self.shape = weight.param_shape
+        self._bands = None
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop = rows.start or 0, min(rows.stop, self.shape[0])
+        if self._bands is None or self._bands[0] > start or self._bands[1] < stop:
+            self._bands = None
+            parts = []
+            for first, band in self.weight.rows(max(64 << 20, (stop - start) * self.shape[1] * 4)):
+                if first + band.shape[0] <= start:
+                    continue
+                parts.append((first, band))
+                if first + band.shape[0] >= stop:
+                    break
+            lo = parts[0][0]
+            block = np.concatenate([b for _, b in parts]) if len(parts) > 1 else parts[0][1]
+            self._bands = (lo, lo + block.shape[0], block)
+        lo, _, block = self._bands
+        return np.asarray(block[start - lo: stop - lo], dtype=np.float32)
+
+
+class _Packer:
+    """One weight's MatMulNBits tensors, made together on the first request and handed out one at a
+    time (``part``): the deferred producers of B, scales and zero points share one computation, kept
+    only until every part has been taken."""
+
+    def __init__(self, make_blocks, dtype, zero_points: bool, bits: int) -> None:
+        self.make, self.dtype, self.zero_points, self.bits = make_blocks, dtype, zero_points, bits
+        self.parts: dict[int, np.ndarray] = {}
+
+    def part(self, i: int) -> np.ndarray:
+        if i not in self.parts:
+            blocks = self.make()
+            q, scales, zp = pack_blocks(blocks, self.dtype)
+            if self.zero_points and zp is None:  # declared, but every block happens to sit at the midpoint
+                zp = _pack_zero_points(blocks.zero_points, blocks.bits)
+            self.parts = {0: q, 1: scales} | ({2: zp} if self.zero_points else {})
+        return self.parts.pop(i)
+
+
+def _pack_zero_points(zp: np.ndarray, bits: int) -> np.ndarray:
+    """Zero points [N, k_blocks] in MatMulNBits' packed layout (as ``pack_blocks`` packs them)."""
+    if bits == 4:
+        if zp.shape[1] % 2:
+            zp = np.pad(zp, ((0, 0), (0, 1)))
+        zp = zp[:, 0::2] | (zp[:, 1::2] << 4)
+    return np.ascontiguousarray(zp)
 
 
 def _add_initializer(graph: onnx.GraphProto, name: str, arr: np.ndarray) -> None:
