@@ -63,8 +63,16 @@ def smoothing(w_kn: np.ndarray, mean_sq_input: np.ndarray | None, alpha: float =
     from the calibration pass's mean squared input per feature; ones when there is none."""
     if mean_sq_input is None or len(mean_sq_input) != w_kn.shape[0]:
         return np.ones(w_kn.shape[0], np.float32)
+    return smoothing_from_max(np.abs(w_kn).max(axis=1), mean_sq_input, alpha)
+
+
+def smoothing_from_max(w_max: np.ndarray, mean_sq_input: np.ndarray | None, alpha: float = SMOOTHING_ALPHA) -> np.ndarray:
+    """``smoothing`` given ``max_n |W_kn|`` per input feature (computed a band of N at a time by a
+    caller that cannot hold the whole float weight)."""
+    if mean_sq_input is None or len(mean_sq_input) != w_max.shape[0]:
+        return np.ones(w_max.shape[0], np.float32)
     x = np.maximum(np.sqrt(np.asarray(mean_sq_input, np.float64)), 1e-5)
-    w = np.maximum(np.abs(w_kn).max(axis=1).astype(np.float64), 1e-5)
+    w = np.maximum(np.asarray(w_max).astype(np.float64), 1e-5)
     return (x ** alpha / w ** (1 - alpha)).astype(np.float32)
 
 

@@ -157,7 +157,7 @@ def check_finite(name: str, tensor) -> None:
 
 
 def save_model(model, path: Path, data_name: str | None = None, size_threshold: int = SIZE_THRESHOLD,
-               defer_streamed: bool = False) -> None:
+               defer_streamed: bool = False, progress: str | None = None) -> None:
     """Write ``model`` to ``path`` and its large initializers to ``data_name`` next to it
     (default: ``<file name>.data``), replacing both files. Streamed weights
     (``export.streamed_weights``) are read from the checkpoint as they are written; with
@@ -183,7 +183,8 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
     streamed = [v.const_value for v in deferred]
     try:
         with open(path.parent / data_name, "wb", buffering=0) as f:
-            lengths = _write_tensors(f, originals, [v.name for v in big])
+            with _bar(progress, sum(t.nbytes for t in originals), "B") as bar:
+                lengths = _write_tensors(f, originals, [v.name for v in big], bar)
         offset = 0
         for value, tensor, length in zip(big, originals, lengths):
             if length != tensor.nbytes:  # a wrong layout would load as garbage: refuse
@@ -206,7 +207,15 @@ def save_model(model, path: Path, data_name: str | None = None, size_threshold: 
             value.const_value = tensor
 
 
-def _write_tensors(f, tensors, names=None) -> list[int]:
+def _bar(description: str | None, total: int, unit: str):
+    """A tqdm progress bar (a disabled one without ``description``), with ETA."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit=unit, unit_scale=unit == "B", disable=description is None,
+                leave=False, mininterval=1.0)
+
+
+def _write_tensors(f, tensors, names=None, bar=None) -> list[int]:
     """Append each tensor's bytes to ``f``; returns the bytes written per tensor. Float tensors are
     checked block by block for NaN/Inf (in this thread, while the writer writes the previous block);
     the first non-finite one raises ``NonFiniteWeight`` with its name (``names[i]``)."""
@@ -227,6 +236,8 @@ def _write_tensors(f, tensors, names=None) -> list[int]:
                             raise NonFiniteWeight(name)
                         pending.append((writer.submit(_write_all, f, block), scratch))
                         length += len(block)
+                        if bar is not None:
+                            bar.update(len(block))
                         while len(pending) > _QUEUE_DEPTH:
                             _finish(pending.popleft(), pool)
                     del arr
@@ -386,7 +397,7 @@ def read_initializer(init, base_dir) -> np.ndarray:
 
 
 def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_data_name: str | None = None,
-                          say_each=None) -> None:
+                          progress: str | None = None) -> None:
     """Save an ``onnx.ModelProto`` whose main-graph initializers are partly in memory and partly
     still in ``path``'s data file (``<file name>.data``), replacing both files.
 
@@ -401,7 +412,7 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     to ``extra_data_name`` (beside ``path``).
 
     Deferred initializers (``defer``) are made here, one at a time in initializer order, checked
-    for NaN/Inf and written; ``say_each(name)`` is called after each (progress).
+    for NaN/Inf and written; ``progress`` (a description) shows a progress bar over them.
     """
     import os
 
@@ -415,7 +426,9 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
         old, new, data_name = path.parent / extra_data_name, path.parent / f"{extra_data_name}.partial", extra_data_name
     offset = 0
     pool = _BufferPool()
-    with open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
+    bar = _bar(progress, sum(1 for t in model.graph.initializer if deferred_producer(t, path.parent) is not None),
+               "tensor")
+    with bar, open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
         for t in model.graph.initializer:
             producer = deferred_producer(t, path.parent)
             small = producer is not None and int(np.prod(t.dims, dtype=np.int64)) * np.dtype(
@@ -449,8 +462,7 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
                     helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
                 if length != expected:
                     raise ValueError(f"deferred initializer {t.name!r}: wrote {length} bytes, expected {expected}")
-                if say_each is not None:
-                    say_each(t.name)
+                bar.update(1)
             elif t.data_location == TensorProto.EXTERNAL and extra_data_name is not None:
                 continue  # stays in the shared data file
             elif t.data_location == TensorProto.EXTERNAL:

@@ -132,7 +132,8 @@ def _export_decoder(plan: GraphPlan, ctx: ExportContext) -> ExportedGraph:
     # once, quantized on the way (external_data.defer), never written in full precision first
     defer = bool(ctx.opts.quant) and ctx.targets == ("onnxruntime",)
     try:
-        traced = export_decoder(ctx.decoder, ctx.out_dir, ctx.opts.opset, defer_weights=defer)
+        traced = export_decoder(ctx.decoder, ctx.out_dir, ctx.opts.opset, defer_weights=defer,
+                                progress=bool(ctx.opts.progress))
     except NonFiniteWeight as exc:
         raise ctx.non_finite(exc) from None
     ctx.release_decoder()  # before the lowering, which loads (some of) the weights again
@@ -212,7 +213,8 @@ def lower_for_targets(out_dir: Path, traced, used_ops, targets: tuple[str, ...],
             release_exporter_references()
             graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used_ops, opts.quant, opts.quant_block_size,
                                                      opts.quant_symmetric, say=say, shared_data=len(targets) > 1,
-                                                     quant_method=opts.quant_method, quant_inputs=quant_inputs)
+                                                     quant_method=opts.quant_method, quant_inputs=quant_inputs,
+                                                     progress=bool(getattr(opts, "progress", False)))
             say(f"      lowered for onnxruntime in {time.perf_counter() - t0:.1f}s")
         elif target == "tensorrt":
             from graphkiln.export.lowering.trt_target import lower_for_tensorrt

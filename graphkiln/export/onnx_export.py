@@ -104,7 +104,7 @@ class TracedDecoder:
 
 
 def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name: str = "decoder.onnx",
-                   stamp: bool = True, defer_weights: bool = False) -> TracedDecoder:
+                   stamp: bool = True, defer_weights: bool = False, progress: bool = False) -> TracedDecoder:
     """Trace the decoder (one layer per kind, stamped; see ``layer_stamping``), attach custom-op
     functions, save. A streamed decoder (``models.weights.load_decoder(streamed=True)``) has its
     other layers, embedding and head read from the checkpoint as the data file is written, or
@@ -137,7 +137,8 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
     used = custom_ops.attach_functions(program.model)
     program.model.ir_version = IR_FOR_OPSET[opset]
     program.model.producer_name = "graphkiln"
-    save_model(program.model, out_dir / file_name, defer_streamed=defer_weights)
+    save_model(program.model, out_dir / file_name, defer_streamed=defer_weights,
+               progress="writing weights" if progress else None)
     del program
     return TracedDecoder(GraphSpec("decoder", file_name, tuple(ins), tuple(outs), opset), used, reps, refused)
 
@@ -199,9 +200,9 @@ def bind_streamed_tables(ir_model, model) -> None:
         if transform == "T" and shape != own[::-1]:
             raise GraphkilnError(f"initializer {name} is a {shape} view of {source} {own}: report this with the "
                                  "checkpoint's config.json")
-        # a tied table keeps the name the exporter gave it (either parameter's)
-        keep = transform is None and name in ("model.embed_tokens.weight", "lm_head.weight")
-        new_name = name if keep else source if transform is None else f"{source}.T"
+        # a table keeps the name the exporter gave it, but for an untied head's transpose, which is
+        # named as name_head_weight names it (a tied stage's copy of the head stays anonymous, as before)
+        new_name = "lm_head.weight.T" if transform == "T" and source == "lm_head.weight" else name
         if new_name != name:
             graph.initializers.pop(name)
             value.name = new_name

@@ -275,12 +275,9 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     """``export_model`` once MODEL is a local checkpoint directory and the options are checked."""
     import dataclasses
 
-    from graphkiln.export.graph_exporters import ExportContext, export_graph_specs
-    from graphkiln.export.onnx_export import NP_DTYPE
-    from graphkiln.export.stages import make_plan
     from graphkiln.models.config import architecture_of
     from graphkiln.models.prequantized import sidecar_default_bits
-    from graphkiln.models.weights import check_checkpoint, load_decoder, prequantized_parameters, read_config
+    from graphkiln.models.weights import check_checkpoint, prequantized_parameters, read_config
 
     # Everything that can be refused from the checkpoint's JSON files and safetensors headers is
     # refused here, before the output directory exists; what is left (non-finite weights, found
@@ -340,10 +337,64 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     from graphkiln.export.stages import check_stage_request
 
     stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
+    _preflight(src, family, cfg, opts, targets, out_dir)
+    io_before = _written_bytes()
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src, Path(model))) as tmp:
-        t0 = time.perf_counter()
-        _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype}")
-        decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress, streamed=True)
+        try:
+            return _export_into(tmp, model, src, out_dir, arch, family, cfg, vcfg, opts, targets, prequantized,
+                                generation, max_seq_len, stage_ranges, lora_paths, io_before)
+        finally:
+            from graphkiln.export.external_data import forget_deferred
+
+            forget_deferred(tmp)
+
+
+def _preflight(src: Path, family, cfg, opts: ExportOptions, targets: tuple[str, ...], out_dir: Path) -> None:
+    """Estimate the export's peak memory and disk need and refuse when they do not fit (export.preflight)."""
+    from graphkiln.export import preflight
+    from graphkiln.export.layer_stamping import template_layers
+    from graphkiln.models.weights import CheckpointWeights, meta_decoder
+
+    weights = CheckpointWeights(src, family, cfg, opts.dtype)
+    try:
+        est = preflight.estimate(meta_decoder(cfg), opts, targets, template_layers(cfg), weights)
+    finally:
+        weights.close()
+    preflight.check(est, out_dir, opts)
+    _say(opts, f"      estimated peak memory {est.peak_memory / 2**30:.1f} GiB, artifact {est.artifact / 2**30:.2f} GiB")
+
+
+def _written_bytes() -> int | None:
+    """Bytes this process has written to storage so far (Linux /proc/self/io), or None."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, cfg, vcfg, opts: ExportOptions,
+                 targets, prequantized, generation, max_seq_len: int, stage_ranges, lora_paths, io_before) -> Manifest:
+    """The export's writing part, into the publication's temporary directory ``tmp``."""
+    from graphkiln.export.graph_exporters import ExportContext, export_graph_specs
+    from graphkiln.export.onnx_export import NP_DTYPE
+    from graphkiln.export.stages import make_plan
+    from graphkiln.models.weights import load_decoder
+
+    t0 = time.perf_counter()
+    _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype} (the first layer of each kind; the "
+               "rest are read as they are written)")
+    decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress, streamed=True)
+    weights = decoder.weights
+    try:
         decoder.set_rope_positions(max_seq_len)
         decoder.return_hidden_states = bool(opts.return_hidden_states)
         quant_inputs = None
@@ -391,5 +442,11 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             lora=LoraSpec(cfg.lora.rank, cfg.lora.max_loras, cfg.lora.modules, lora_paths) if cfg.lora else None,
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
-        _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir}")
+        written = _written_bytes()
+        size = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+        wrote = "" if written is None or io_before is None else f", {(written - io_before) / 1e9:.2f} GB written"
+        _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir} (artifact {size / 1e9:.2f} GB{wrote}, "
+                   f"peak memory {_peak_rss() / 2**30:.2f} GiB)")
+    finally:
+        weights.close()
     return manifest

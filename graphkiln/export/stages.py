@@ -392,9 +392,24 @@ def export_stage(decoder, plan, out_dir: Path, targets: tuple[str, ...], opts, s
     tied = decoder.lm_head.weight is decoder.model.embed_tokens.weight or (
         decoder.lm_head.weight.data_ptr() == decoder.model.embed_tokens.weight.data_ptr())
     (start, end), first, last = plan.layers, plan.first, plan.last
-    module = _module_class()(decoder, start, end, first, last).eval()
-    ins, outs = stage_io(cfg, start, end, first, last, dtype, decoder.return_hidden_states)
-    program = _trace_stage(module, cfg, ins, outs, opts.opset)
+    weights = getattr(decoder, "weights", None)
+    streamed = {}  # a streamed decoder's layers of this stage, read for its trace and dropped after
+    if weights is not None:
+        for i in range(start, end):
+            if any(p.is_meta for p in decoder.model.layers[i].parameters()):
+                streamed[i] = decoder.model.layers[i]
+                decoder.model.layers[i] = weights.build_layer(i)
+    try:
+        module = _module_class()(decoder, start, end, first, last).eval()
+        ins, outs = stage_io(cfg, start, end, first, last, dtype, decoder.return_hidden_states)
+        program = _trace_stage(module, cfg, ins, outs, opts.opset)
+    finally:
+        for i, meta in streamed.items():
+            decoder.model.layers[i] = meta
+    if weights is not None:
+        from graphkiln.export.onnx_export import bind_streamed_tables
+
+        bind_streamed_tables(program.model, decoder)
     used = custom_ops.attach_functions(program.model)
     program.model.ir_version = IR_FOR_OPSET[opts.opset]
     program.model.producer_name = "graphkiln"

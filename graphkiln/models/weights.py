@@ -240,6 +240,14 @@ def _meta_decoder(cfg: DecoderConfig, ropes: dict) -> DecoderForExport:
                                 {f: s for f, (_, s) in ropes.items()})
 
 
+def meta_decoder(cfg: DecoderConfig) -> DecoderForExport:
+    """The decoder on the meta device: every parameter's shape, no memory (tied head tied)."""
+    model = _meta_decoder(cfg, rope_tables_inputs(cfg))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def _wanted(model: DecoderForExport, cfg: DecoderConfig) -> dict[str, torch.nn.Parameter]:
     wanted = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
@@ -424,11 +432,17 @@ class CheckpointWeights:
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def layer(self, i: int) -> nn.Module:
-        """Layer i as a real ``DecoderLayer`` (eval, no grad, folds applied); the previous layer
-        built is released."""
+        """Layer i as a real ``DecoderLayer`` (eval, no grad, folds applied), kept until another
+        layer is asked for (the previous one is released first)."""
         if self._layer is not None and self._layer[0] == i:
             return self._layer[1]
         self._layer = None
+        module = self.build_layer(i)
+        self._layer = (i, module)
+        return module
+
+    def build_layer(self, i: int) -> nn.Module:
+        """Layer i as a new real ``DecoderLayer``, not kept here (the caller owns it)."""
         from graphkiln.models.decoder import DecoderLayer
 
         with torch.device("meta"):
@@ -436,9 +450,7 @@ class CheckpointWeights:
         prefix = f"model.layers.{i}."
         state = {n[len(prefix):]: self.read(n) for n in self.sources if n.startswith(prefix)}
         module.load_state_dict(state, strict=True, assign=True)
-        _finish(module)
-        self._layer = (i, module)
-        return module
+        return _finish(module)
 
     def release(self) -> None:
         """Drop the layer ``layer`` built last."""
@@ -447,6 +459,7 @@ class CheckpointWeights:
     def close(self) -> None:
         self._layer = None
         self.reader.close()
+        self.reader.handles.clear()
 
 
 def _finish(model: nn.Module) -> nn.Module:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkiln.batched_int8 import DEFAULT_MIN_ROWS, DERIVED_LOCATION, dequantize, smoothing
+from graphkiln.batched_int8 import DEFAULT_MIN_ROWS, DERIVED_LOCATION, dequantize, smoothing_from_max
 from graphkiln.export.external_data import read_initializer
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope
 from graphkiln.manifest import BatchedGraphSpec, DerivedWeight, GraphSpec, TensorRef
@@ -53,8 +53,15 @@ def write_batched_graph(out_dir: Path, graph: GraphSpec, importance: dict | None
                 for name in (node.input[1], node.input[2], node.input[3] if len(node.input) > 3 else "")]
         arrays = [read_initializer(inits[name], out_dir) if name else None
                   for name in (node.input[1], node.input[2], node.input[3] if len(node.input) > 3 else "")]
-        w = dequantize(arrays[0], arrays[1], arrays[2], k, bits)
-        s = smoothing(w, _importance_for(node.input[1], importance or {}, k))
+        # max_n |W| a band of output rows at a time: a head's float weight never whole in memory
+        w_max = np.zeros(k, np.float32)
+        step = max(1, (64 << 20) // (4 * k))
+        for a in range(0, n, step):
+            band = dequantize(arrays[0][a:a + step], arrays[1][a:a + step],
+                              None if arrays[2] is None else arrays[2][a:a + step], k, bits)
+            np.maximum(w_max, np.abs(band).max(axis=1), out=w_max)
+            del band
+        s = smoothing_from_max(w_max, _importance_for(node.input[1], importance or {}, k))
         smooth_ref = _append(data, data_name, s)
         base = names.fresh(f"{node.input[1]}.batched")
         wq, wc, sm = f"{base}.int8", f"{base}.channel_scales", f"{base}.smooth"

@@ -98,13 +98,13 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
                                         importance=quant_inputs.importance if quant_inputs else None)
         quantized = stats.nodes
         scheme = "symmetric" if quant_symmetric else "asymmetric"
-        say(f"      quantized {stats.summary()} ({quant}, {scheme}, block {quant_block_size}, {quant_method}) "
-            f"in {time.perf_counter() - t0:.1f}s")
+        say(f"      quantizing {stats.summary()} ({quant}, {scheme}, block {quant_block_size}, {quant_method}) "
+            "as the data file is written")
     rewritten = lower_moe_for_onnxruntime(model, base_dir=out_dir) if has_moe else 0
     if rewritten or quantized or has_deferred(model):  # weights changed: a new data file, streamed from the old one
         t0 = time.perf_counter()
         rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None,
-                              say_each=progress)
+                              progress=None if not progress else "quantizing weights" if quantized else "writing weights")
         say(f"      wrote {path.name}'s weights in {time.perf_counter() - t0:.1f}s")
     elif attention or skip_norms or recurrences or scans:  # only nodes changed: the initializers still point into the same data file
         onnx.save(model, str(path))

@@ -1,0 +1,107 @@
+"""Before an export writes anything: will this machine hold it? (issue 36, item 4)
+
+The streamed export (``models.weights.load_decoder(streamed=True)``, ``export.streamed_weights``)
+holds, at its peak, the traced template (one layer of each kind, real), one more layer being written,
+quantized or run by the calibration pass, the largest table in flight (the embedding or head, in the
+checkpoint's dtype while an untied head is transposed), and a fixed overhead for the interpreter,
+torch, onnx and the exporter. Disk: the artifact, plus the traced data file of a float export that a
+lowering rewrites (MoE). Both are estimated from config.json and the shard headers alone and
+compared with what is available now (cgroup limits included); a shortfall is one error line naming
+the figures and what lowers them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.memory import available_memory
+
+# Measured on this machine's exports of the suite's tiny models (peak RSS with nothing loaded):
+# the interpreter with torch, onnx, onnxscript and transformers imported, plus the exporter's trace.
+BASE_BYTES = 700 << 20
+# Quantizing one weight holds its float rows, a chunk's temporaries and its packed blocks; the
+# calibration pass holds a layer and its activations: about twice the layer, measured.
+WORKING_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    peak_memory: int  # bytes
+    disk: int  # bytes written to the output's filesystem at the peak (artifact + temporaries)
+    artifact: int  # bytes of the published artifact
+    largest_layer: int
+    template: int
+    table: int
+
+
+def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...], weights=None) -> Estimate:
+    """The export's peak memory and disk need, from the decoder's parameter shapes (a meta decoder:
+    ``models.weights.meta_decoder``) and the checkpoint's stored sizes (``weights``, a
+    ``CheckpointWeights``, when given)."""
+    import torch
+
+    cfg = decoder.cfg
+    from graphkiln.models.weights import DTYPES
+
+    itemsize = torch.empty((), dtype=DTYPES[opts.dtype]).element_size()
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in decoder.model.layers]
+    layer_bytes = [n * itemsize for n in layer_params]
+    table_params = decoder.model.embed_tokens.weight.numel()
+    tied = decoder.lm_head.weight is decoder.model.embed_tokens.weight
+    stored_table = max((weights.stored_bytes(n) for n in ("model.embed_tokens.weight", "lm_head.weight")),
+                       default=table_params * 2) if weights is not None else table_params * itemsize
+    total_params = sum(layer_params) + table_params * (1 if tied else 2)
+    if opts.quant:
+        bits = {"int4": 4, "int8": 8}[opts.quant]
+        per_block = itemsize + (0 if opts.quant_symmetric else bits / 8)
+        quant_factor = bits / 8 + per_block / opts.quant_block_size
+        experts = sum(p.numel() for layer in decoder.model.layers for n, p in layer.named_parameters()
+                      if ".experts." in f".{n}")
+        artifact = int((total_params - experts) * quant_factor + experts * itemsize)
+        table_work = table_params * 4 * 2  # a band of fp32 rows plus the table's packed codes, bounded by the table
+        table_work = min(table_work, stored_table + table_params)
+    else:
+        artifact = total_params * itemsize
+        table_work = stored_table + (64 << 20)  # an untied head is transposed from its stored bytes, a band at a time
+    largest = max(layer_bytes, default=0)
+    template_bytes = sum(layer_bytes[i] for i in template)
+    peak = BASE_BYTES + template_bytes + int(WORKING_FACTOR * largest) + table_work
+    disk = artifact
+    moe = any(s.ffn == "moe" for s in cfg.layers)
+    if moe and not opts.quant:  # the traced data file and the interleaved experts' new one, side by side
+        disk += artifact
+    if len(targets) > 1:
+        disk += artifact // 4  # other targets' rewritten tensors (MoE experts), at most: a margin
+    return Estimate(peak, disk, artifact, largest, template_bytes, table_work)
+
+
+def check(est: Estimate, out_dir: Path, opts) -> None:
+    """Refuse in one line when the memory or the disk available now cannot hold the export."""
+    gib = 2 ** 30
+    available = available_memory()
+    if available is not None and est.peak_memory > available:
+        remedy = "export with --dtype fp16" if opts.dtype == "fp32" else "free memory"
+        raise GraphkilnError(
+            f"this export needs about {est.peak_memory / gib:.1f} GiB of memory at its peak (the traced layers "
+            f"{est.template / gib:.1f} GiB, one layer {est.largest_layer / gib:.1f} GiB twice, the embedding/head "
+            f"{est.table / gib:.1f} GiB, {BASE_BYTES / gib:.1f} GiB for the tools) but {available / gib:.1f} GiB is "
+            f"available: {remedy}, or close other programs")
+    free = _free_disk(out_dir)
+    if free is not None and est.disk > free:
+        remedy = "add --quant int4, or " if not opts.quant else ""
+        raise GraphkilnError(
+            f"this export writes about {est.disk / gib:.1f} GiB (artifact {est.artifact / gib:.1f} GiB) but the output's "
+            f"disk has {free / gib:.1f} GiB free: {remedy}pass -o a directory on another disk")
+
+
+def _free_disk(out_dir: Path) -> int | None:
+    path = Path(out_dir).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
