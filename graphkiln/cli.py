@@ -365,7 +365,7 @@ def _verify(args) -> int:
         if i:
             engine = Engine.load(args.artifact, target=graph.target, check_files=False)  # hashed by the first load
         report = verify_artifact(args.artifact, args.reference, steps=args.steps, seed=args.seed, atol=args.atol,
-                                 engine=engine, text=args.text)
+                                 engine=engine, text=args.text, streamed=True if args.streamed_reference else None)
         print((f"{graph.file} (target {graph.target}): " if len(graphs) > 1 else "") + report.summary())
         passed = passed and report.passed
     return 0 if passed else 1
@@ -596,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--text", default=None, metavar="FILE",
                    help="quantized artifacts: the UTF-8 text whose perplexity is compared with the reference's "
                         "(default: built-in English prose)")
+    v.add_argument("--streamed-reference", action="store_true",
+                   help="compare with graphkiln's torch decoder run one layer at a time from the checkpoint instead of "
+                        "transformers' whole fp32 model (the default when that would not fit in memory)")
     v.set_defaults(fn=_verify)
 
     c = sub.add_parser("check", help="check an artifact's graphs against a backend's published operator support")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import logging
 import warnings
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
         program = _trace(model, opset)
     if getattr(model, "weights", None) is not None:
         bind_streamed_tables(program.model, model)
+        stream_template_layers(program.model, model, reps)
     else:
         name_head_weight(program.model, model)
     used = custom_ops.attach_functions(program.model)
@@ -208,6 +210,30 @@ def bind_streamed_tables(ir_model, model) -> None:
             value.name = new_name
             graph.register_initializer(value)
         value.const_value = streamed_weight(weights, source, transform, shape, new_name)
+
+
+def stream_template_layers(ir_model, model, reps: tuple[int, ...]) -> None:
+    """The traced layers' named weights (``model.layers.<r>.<parameter>``, ``.T`` when stored
+    transposed) as ``StreamedWeight``s too, like every stamped layer's: nothing of the template is
+    written from memory, so a deferred (quantized) export writes no float weight of any layer."""
+    from graphkiln.export.streamed_weights import is_streamed, streamed_weight
+
+    weights = model.weights
+    for name, value in list(ir_model.graph.initializers.items()):
+        tensor = value.const_value
+        m = re.match(r"^model\.layers\.(\d+)\.(.+?)(\.T)?$", name)
+        if tensor is None or is_streamed(tensor) or m is None or int(m.group(1)) not in reps:
+            continue
+        try:
+            param = model.model.layers[int(m.group(1))].get_parameter(m.group(2))
+        except AttributeError:
+            continue
+        transform = "T" if m.group(3) else None
+        expected = tuple(param.shape)[::-1] if transform else tuple(param.shape)
+        if tuple(tensor.shape) != expected:
+            continue
+        value.const_value = streamed_weight(weights, f"model.layers.{m.group(1)}.{m.group(2)}", transform,
+                                            tuple(tensor.shape), name)
 
 
 def name_head_weight(ir_model, model) -> None:

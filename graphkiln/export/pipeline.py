@@ -52,6 +52,10 @@ class ExportOptions:
     lora_rank: int | None = None
     lora_targets: str | None = None
     max_loras: int = 4
+    # weights read from the checkpoint as they are written (models.weights.load_decoder(streamed=True)):
+    # memory bounded by one layer. False loads the whole model first, as before streaming; kept so
+    # the tests can show that streaming changes no byte of the artifact.
+    streamed: bool = True
 
 
 def _say(opts: ExportOptions, msg: str) -> None:
@@ -359,7 +363,8 @@ def _preflight(src: Path, family, cfg, opts: ExportOptions, targets: tuple[str, 
     try:
         est = preflight.estimate(meta_decoder(cfg), opts, targets, template_layers(cfg), weights)
     finally:
-        weights.close()
+        if weights is not None:
+            weights.close()
     preflight.check(est, out_dir, opts)
     _say(opts, f"      estimated peak memory {est.peak_memory / 2**30:.1f} GiB, artifact {est.artifact / 2**30:.2f} GiB")
 
@@ -392,8 +397,8 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
     t0 = time.perf_counter()
     _say(opts, f"[1/4] loading {arch} weights from {src} as {opts.dtype} (the first layer of each kind; the "
                "rest are read as they are written)")
-    decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress, streamed=True)
-    weights = decoder.weights
+    decoder = load_decoder(src, family, cfg, opts.dtype, progress=opts.progress, streamed=opts.streamed)
+    weights = getattr(decoder, "weights", None)
     try:
         decoder.set_rope_positions(max_seq_len)
         decoder.return_hidden_states = bool(opts.return_hidden_states)
@@ -448,5 +453,6 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
         _say(opts, f"done in {time.perf_counter() - t0:.1f}s -> {out_dir} (artifact {size / 1e9:.2f} GB{wrote}, "
                    f"peak memory {_peak_rss() / 2**30:.2f} GiB)")
     finally:
-        weights.close()
+        if weights is not None:
+            weights.close()
     return manifest

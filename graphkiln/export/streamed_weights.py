@@ -54,7 +54,12 @@ def _streamed_weight_class():
 
         @property
         def param_shape(self) -> tuple[int, ...]:
-            return self.weights.shapes[self.weights._own(self.param)]
+            """The decoder parameter's shape (a module's folded parameter, mamba2's A, has the
+            graph tensor's)."""
+            shape = self.weights.shapes.get(self.weights._own(self.param))
+            if shape is not None:
+                return shape
+            return tuple(self.shape)[::-1] if self.transform == "T" else tuple(self.shape)
 
         def _param(self) -> np.ndarray:
             layer = _layer_index(self.param)
@@ -94,11 +99,10 @@ def _streamed_weight_class():
             strided): what a writer writes one after the other. A layer's weight is one piece (its
             layer is in memory); a table is read a band at a time, and a transposed table (an untied
             head) from its stored bytes, converted a band at a time."""
-            layer = _layer_index(self.param)
-            shape = self.param_shape
-            if layer is not None or len(shape) != 2 or (self.transform not in (None, "T")):
+            if _layer_index(self.param) is not None or self.transform not in (None, "T") or len(self.param_shape) != 2:
                 yield self._make().numpy()
                 return
+            shape = self.param_shape
             if self.transform is None:
                 for _, band in self.rows(band_bytes):
                     yield band

@@ -24,6 +24,16 @@ and the decoder seam, not the preprocessing (tested against transformers' proces
 own). A case whose expanded prompt would not fit the maximum sequence length is skipped and
 reported. Random text prompts avoid the image token.
 
+A checkpoint whose transformers reference would not fit in the memory available (its parameters x 4
+bytes x 1.2, from the safetensors headers, against ``memory.available_memory()``), or any checkpoint
+with ``streamed=True`` (``verify --streamed-reference``), is compared with the streamed reference
+instead (``export.streamed_reference``: graphkiln's torch decoder run one layer at a time from the
+checkpoint, never whole in fp32). The report is the same; the greedy run is checked by teacher
+forcing (the reference run once over each prompt and the tokens the artifact generated: up to each
+row's first divergence, the very contexts the step-by-step reference would see) and the perplexity
+is scored on the same windows. Vision-language artifacts always use transformers' reference: one
+error line naming the memory it needs when it would not fit.
+
 Non-finite logits (NaN/Inf), ours or the reference's, fail verification outright and the
 report says where the first one is: an error measure cannot be trusted to carry a NaN (Python's
 ``max(0.0, nan)`` is 0.0). The reference is loaded with ``trust_remote_code=False``, and a
@@ -33,6 +43,7 @@ transformers sees it, so nothing ever prompts or runs the checkpoint's code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -89,6 +100,8 @@ class VerifyReport:
     reference_perplexity: float | None = None
     perplexity_tokens: int = 0
     max_perplexity_ratio: float | None = None  # bound on perplexity / reference_perplexity
+    # "transformers" (the whole model in fp32) or "streamed" (export.streamed_reference, layer by layer)
+    reference_kind: str = "transformers"
 
     @property
     def perplexity_ratio(self) -> float | None:
@@ -116,6 +129,10 @@ class VerifyReport:
                      or self.perplexity_ratio <= self.max_perplexity_ratio))
 
     def summary(self) -> str:
+        text = self._summary()
+        return "streamed reference (layer by layer): " + text if self.reference_kind == "streamed" else text
+
+    def _summary(self) -> str:
         shapes = ", ".join("batch %d (lengths %s)" % (len(s), "/".join(map(str, s))) for s in self.batch_shapes)
         if self.vision_checked or self.vision_skipped:
             shapes += "; with images: " + (", ".join(self.vision_checked) or "nothing")
@@ -152,27 +169,12 @@ class _NonFinite(Exception):
     """Ends a verification at the first NaN/Inf logits; the message says whose and where."""
 
 
-def _reference(reference: str, vision: bool = False):
-    from graphkiln.export.checkpoint import prepared_checkpoint
-
-    # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load
-    with prepared_checkpoint(reference) as path:
-        return _load_reference(reference, path, vision)
-
-
 def _load_reference(reference: str, path, vision: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = None  # transformers reports a missing or malformed config below
-    if isinstance(config, dict) and "auto_map" in config:
-        raise GraphkilnError(
-            f"the reference {reference} ships its own Python code (config.json has 'auto_map'), which graphkiln never "
-            "runs: verify against a checkpoint of a built-in transformers architecture (drop 'auto_map' if it is one)")
+    _refuse_auto_map(reference, path)
     hf_logging.disable_progress_bar()
     try:
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
@@ -182,11 +184,61 @@ def _load_reference(reference: str, path, vision: bool):
     return model
 
 
+def _refuse_auto_map(reference: str, path) -> None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None  # transformers (or the streamed reference) reports a missing or malformed config
+    if isinstance(config, dict) and "auto_map" in config:
+        raise GraphkilnError(
+            f"the reference {reference} ships its own Python code (config.json has 'auto_map'), which graphkiln never "
+            "runs: verify against a checkpoint of a built-in transformers architecture (drop 'auto_map' if it is one)")
+
+
+def _use_streamed(streamed: bool | None, reference: str, path, vision: bool) -> bool:
+    """Whether to verify against the streamed reference: always with ``streamed=True``, never with
+    False, else when transformers' fp32 reference would not fit in the memory available."""
+    from graphkiln import memory
+    from graphkiln.export.streamed_reference import transformers_reference_bytes
+
+    if streamed is False:
+        return False
+    if vision:
+        if streamed:
+            raise GraphkilnError("--streamed-reference: a vision-language artifact is verified against transformers' "
+                                 "whole reference model (the streamed reference has no vision tower); drop the flag")
+        try:
+            need = transformers_reference_bytes(path)
+        except GraphkilnError:
+            return False  # transformers reports the unreadable checkpoint
+        available = memory.available_memory()
+        if available is not None and need > available:
+            raise GraphkilnError(
+                f"the transformers reference {reference} needs about {need / 2**30:.1f} GiB in fp32 and "
+                f"{available / 2**30:.1f} GiB of memory are available: vision-language artifacts have no streamed "
+                "reference; verify on a machine with more memory")
+        return False
+    if streamed:
+        return True
+    try:
+        need = transformers_reference_bytes(path)
+    except GraphkilnError:
+        return False  # transformers reports the unreadable checkpoint, as it always has
+    available = memory.available_memory()
+    return available is not None and need > available
+
+
 def _check_same_vocabulary(model, vocab: int, reference: str) -> None:
     """The reference's logits must have the artifact's width to be compared at all: another
-    checkpoint's head is one error line, not a numpy broadcast failure mid-comparison."""
-    head = model.get_output_embeddings()
-    theirs = head.weight.shape[0] if head is not None else getattr(model.config.get_text_config(), "vocab_size", None)
+    checkpoint's head is one error line, not a numpy broadcast failure mid-comparison. ``model``:
+    the transformers model, or the streamed reference."""
+    from graphkiln.export.streamed_reference import StreamedReference
+
+    if isinstance(model, StreamedReference):
+        theirs = model.vocab_size
+    else:
+        head = model.get_output_embeddings()
+        theirs = head.weight.shape[0] if head is not None else getattr(model.config.get_text_config(), "vocab_size", None)
     if theirs != vocab:
         raise GraphkilnError(f"the reference {reference} has a vocabulary of {theirs} tokens, the artifact {vocab}: "
                              "verify against the checkpoint the artifact was exported from")
@@ -209,24 +261,28 @@ def reference_perplexity(model, parts: list[list[int]]):
 
 
 def _perplexities(engine: Engine, model, text: str | None):
-    """(ours, the reference's) perplexity on ``text`` (None: the built-in prose), or None without a tokenizer."""
+    """(ours, the reference's) perplexity on ``text`` (None: the built-in prose), or None without a
+    tokenizer. ``model``: the transformers model, or the streamed reference."""
+    from graphkiln.export.streamed_reference import StreamedReference
     from graphkiln.perplexity import DEFAULT_WINDOW, artifact_perplexity, read_text, windows
 
     if engine.tokenizer is None:
         return None
     text = read_text(text)
     ours = artifact_perplexity(engine, text)
-    ref = reference_perplexity(model, windows(engine.tokenizer.encode(text), DEFAULT_WINDOW, engine.max_seq_len))
+    parts = windows(engine.tokenizer.encode(text), DEFAULT_WINDOW, engine.max_seq_len)
+    ref = model.perplexity(parts) if isinstance(model, StreamedReference) else reference_perplexity(model, parts)
     return ours, ref
 
 
 def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed: int = 0,
                     batch_shapes: tuple[tuple[int, ...], ...] | None = None, atol: float | None = None,
                     min_agreement: float | None = None, engine: Engine | None = None,
-                    text: str | Path | None = None) -> VerifyReport:
+                    text: str | Path | None = None, streamed: bool | None = None) -> VerifyReport:
     """Compare ``artifact`` with ``reference`` (see the module docstring). A quantized artifact with a
-    tokenizer is also scored on ``text`` (a file; None: the built-in prose) beside the reference."""
-    import torch
+    tokenizer is also scored on ``text`` (a file; None: the built-in prose) beside the reference.
+    ``streamed``: True compares with the streamed reference (``export.streamed_reference``), False
+    with transformers', None (default) with transformers' unless it would not fit in memory."""
 
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
         raise GraphkilnError(f"steps must be an integer >= 1, got {steps!r}: pass e.g. --steps 32")
@@ -234,11 +290,35 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         raise GraphkilnError(f"seed must be an integer >= 0, got {seed!r}: pass e.g. --seed 0")
     if atol is not None and not (isinstance(atol, (int, float)) and 0 <= atol < math.inf):
         raise GraphkilnError(f"atol must be a finite number >= 0, got {atol!r}: pass e.g. --atol 1e-4 or omit it")
+    if streamed is not None and not isinstance(streamed, bool):
+        raise GraphkilnError(f"streamed must be True, False or None, got {streamed!r}")
+    from graphkiln.export.checkpoint import prepared_checkpoint
+    from graphkiln.export.streamed_reference import StreamedReference
+
     engine = engine or Engine.load(artifact)
+    vision = engine.manifest.vision is not None
+    # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load (and kept
+    # while the streamed reference reads them)
+    with prepared_checkpoint(reference) as path:
+        if _use_streamed(streamed, reference, path, vision):
+            _refuse_auto_map(reference, path)
+            with StreamedReference(path) as model:
+                return _compare(engine, model, reference, steps, seed, batch_shapes, atol, min_agreement, text)
+        model = _load_reference(reference, path, vision)
+    return _compare(engine, model, reference, steps, seed, batch_shapes, atol, min_agreement, text)
+
+
+def _compare(engine: Engine, model, reference: str, steps: int, seed: int, batch_shapes, atol, min_agreement,
+             text) -> VerifyReport:
+    """``verify_artifact`` once the reference is loaded: the transformers model, or the streamed reference."""
+    import torch
+
+    from graphkiln.export.streamed_reference import StreamedReference
+
     dtype = engine.manifest.model.dtype
     quant = getattr(engine.manifest.model, "quant", None)
     vision = engine.manifest.vision
-    model = _reference(reference, vision=vision is not None)
+    streamed = isinstance(model, StreamedReference)
     vocab = engine.manifest.model.vocab_size
     _check_same_vocabulary(model, vocab, reference)
     limit = engine.max_seq_len - steps
@@ -300,8 +380,51 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
                 break
             agreed += 1
 
-    try:
+    def compare_forced(p: list[int], res, ref: np.ndarray, where: str) -> None:
+        """Our greedy run ``res`` of prompt ``p`` against the streamed reference's logits ``ref`` over
+        p + our tokens (teacher forcing): ``ref[len(p) - 1 + t]`` saw the context our step t saw, which
+        up to the first divergence is the context the reference's own greedy run would have had."""
+        nonlocal compared, agreed
+        compared += steps
+        for t, x in enumerate(res.token_ids):
+            row = ref[len(p) - 1 + t]
+            compare(res.logits[t], row, lambda _: f"generation step {t + 1} of {where}")
+            if x != int(row.argmax()):
+                break
+            agreed += 1
+
+    def streamed_text_checks() -> None:
+        """The text batches against the streamed reference: our prompt logits and greedy runs for
+        every batch first, then one pass of the reference over every prompt and its continuation,
+        compared in the order the transformers path compares."""
+        done, pending = [], None
         for b, shape in enumerate(shapes):
+            prompts = [random_ids(n) for n in shape]
+            ours = engine.prompt_logits(prompts)
+            try:
+                results = engine.generate(prompts, GenerationConfig(max_new_tokens=steps, do_sample=False, stop_token_ids=(),
+                                                                    output_logits=True))
+            except NonFiniteLogitsError as exc:
+                done.append((b, prompts, ours, None))
+                pending = f"ours at generation step {exc.step} of prompt {exc.request} in batch {b}"
+                break
+            done.append((b, prompts, ours, results))
+        sequences = [p + (list(results[i].token_ids[:-1]) if results is not None else [])
+                     for _, prompts, _, results in done for i, p in enumerate(prompts)]
+        refs = iter(model.logits(sequences))
+        for b, prompts, ours, results in done:
+            rows = [next(refs) for _ in prompts]
+            for i, (p, mine, ref) in enumerate(zip(prompts, ours, rows)):
+                compare(mine, ref[:len(p)], lambda pos: f"prompt position {pos} of prompt {i} in batch {b}")
+            if results is None:
+                raise _NonFinite(pending)
+            for i, (p, res, ref) in enumerate(zip(prompts, results, rows)):
+                compare_forced(p, res, ref, f"prompt {i} in batch {b}")
+
+    try:
+        if streamed:
+            streamed_text_checks()
+        for b, shape in enumerate(shapes if not streamed else ()):
             prompts = [random_ids(n) for n in shape]
             for i, (p, ours) in enumerate(zip(prompts, engine.prompt_logits(prompts))):
                 with torch.no_grad():
@@ -368,6 +491,7 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
         reference_perplexity=ppl[1].value if ppl else None,
         perplexity_tokens=ppl[0].tokens if ppl else 0,
         max_perplexity_ratio=DEFAULT_QUANT_MAX_PPL_RATIO.get(quant) if quant else None,
+        reference_kind="streamed" if streamed else "transformers",
     )
 
 
