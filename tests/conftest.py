@@ -803,3 +803,46 @@ def smollm2_gguf(tmp_path_factory) -> Path:
         partial.rename(target)  # only a complete file is ever reused
         shutil.rmtree(download)
         return target
+
+
+def assert_same_artifact(a: Path, b: Path) -> None:
+    """Two artifacts are the same export: every graph's nodes (the exporter's source-path metadata
+    aside), initializer names in order and every initializer's bytes, and the manifests (checksums and
+    tool versions aside). Where a tensor's bytes sit in a data file may differ."""
+    import onnx
+
+    from graphkiln.batched_int8 import DERIVED_LOCATION
+    from graphkiln.export.external_data import read_initializer
+
+    ma, mb = json.loads((a / "manifest.json").read_text()), json.loads((b / "manifest.json").read_text())
+    graph_files = sorted({g["file"] for g in ma["graphs"]} | {g["file"] for g in ma.get("batched") or ()})
+    for f in graph_files:
+        pa, pb = (onnx.load(str(d / f), load_external_data=False) for d in (a, b))
+
+        def nodes(p):
+            out = []
+            for n in p.graph.node:
+                n = onnx.NodeProto.FromString(n.SerializeToString())
+                keep = [m for m in n.metadata_props if m.key != "pkg.torch.onnx.stack_trace"]
+                del n.metadata_props[:]
+                n.metadata_props.extend(keep)
+                out.append(n.SerializeToString())
+            return out
+
+        assert nodes(pa) == nodes(pb), f"{f}: nodes differ"
+        ia, ib = ({t.name: t for t in p.graph.initializer} for p in (pa, pb))
+        assert list(ia) == list(ib), f"{f}: initializers differ: {sorted(set(ia) ^ set(ib))[:5]}"
+        for name in ia:
+            if any(e.key == "location" and e.value == DERIVED_LOCATION for e in ia[name].external_data):
+                assert ia[name].dims == ib[name].dims, f"{f}: {name} differs"
+                continue  # made by the runtime at load (batched_int8): no bytes in the artifact
+            x, y = read_initializer(ia[name], a), read_initializer(ib[name], b)
+            assert (x.dtype, x.shape) == (y.dtype, y.shape) and x.tobytes() == y.tobytes(), f"{f}: {name} differs"
+    for m in (ma, mb):
+        m.pop("files"), m.pop("tool_versions", None)
+        for batched in m.get("batched") or ():  # where a block tensor sits in the data file
+            for w in batched["weights"]:
+                for key in ("source", "source_scales", "source_zero_points", "smooth"):
+                    if w.get(key):
+                        w[key].pop("offset", None)
+    assert ma == mb

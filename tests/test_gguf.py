@@ -602,3 +602,15 @@ def test_real_gguf_exports_with_its_q8_0_head_blocks(smollm2_gguf, tmp_path):
         assert list(producers[lookup.input[0]].input)[0] == head.input[1]
     else:
         assert np.array_equal(bits_of(array(lookup.input[0])), bits_of(want))
+
+
+def test_streamed_export_equals_whole_model(tiny_gguf, exported, tmp_path):
+    """The streamed export of a GGUF (its own blocks where they map, the rest quantized as it is
+    written) equals the whole-model path's, byte for byte (issue 36; tests/test_streamed_export.py)."""
+    from conftest import assert_same_artifact
+
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    whole = tmp_path / "whole"
+    export_model(str(tiny_gguf), whole, ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, quant="int8", streamed=False))
+    assert_same_artifact(exported[0], whole)

@@ -180,6 +180,9 @@ class _Reader:
             if src.interleave > 1:
                 t = torch.cat([t[..., j::src.interleave] for j in range(src.interleave)], dim=-1)
             return (t.transpose(-1, -2) if src.transpose else t).contiguous()
+        entry = self._entry(src)
+        if entry is not None:
+            return self._read_plain(src, entry)
         shard = self.where[src]
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
@@ -190,6 +193,22 @@ class _Reader:
                 f"{shard.name} is truncated or corrupt reading '{src}' ({str(exc).splitlines()[0]}): "
                 "re-download or re-save the checkpoint"
             ) from None
+
+    def _read_plain(self, name: str, e: "_Entry") -> torch.Tensor:
+        """One float tensor read from its shard into new memory. Not through safetensors' memory
+        map: every page read that way stays mapped, and counted in the process's memory, until the
+        shard is closed, so a streamed export would grow by each tensor it ever read."""
+        out = torch.empty(e.shape, dtype=e.dtype)
+        size = e.end - e.begin
+        if size != out.numel() * out.element_size():
+            raise GraphkilnError(f"{e.shard.name}: tensor '{name}' has {size} bytes for shape {list(e.shape)}: "
+                                 "re-download or re-save the checkpoint")
+        with open(e.shard, "rb") as f:
+            f.seek(e.begin)
+            got = f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) if size else 0
+        if got != size:
+            raise GraphkilnError(f"{e.shard.name} is truncated reading '{name}': re-download or re-save the checkpoint")
+        return out
 
     def _read_cat(self, src: Cat) -> torch.Tensor:
         """Concatenate the parts (along dim 0) straight from the files into one new tensor.
