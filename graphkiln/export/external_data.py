@@ -426,8 +426,9 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
         old, new, data_name = path.parent / extra_data_name, path.parent / f"{extra_data_name}.partial", extra_data_name
     offset = 0
     pool = _BufferPool()
-    bar = _bar(progress, sum(1 for t in model.graph.initializer if deferred_producer(t, path.parent) is not None),
-               "tensor")
+    # by bytes of the tensors to make: a quantized weight's codes dominate, and its cost goes with them
+    bar = _bar(progress, sum(_declared_bytes(t) for t in model.graph.initializer
+                             if deferred_producer(t, path.parent) is not None), "B")
     with bar, open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
         for t in model.graph.initializer:
             producer = deferred_producer(t, path.parent)
@@ -462,7 +463,7 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
                     helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
                 if length != expected:
                     raise ValueError(f"deferred initializer {t.name!r}: wrote {length} bytes, expected {expected}")
-                bar.update(1)
+                bar.update(_declared_bytes(t))
             elif t.data_location == TensorProto.EXTERNAL and extra_data_name is not None:
                 continue  # stays in the shared data file
             elif t.data_location == TensorProto.EXTERNAL:
@@ -494,6 +495,12 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     onnx.save(model, str(path))
     os.replace(new, old)
     old.chmod(path.stat().st_mode & 0o777)
+
+
+def _declared_bytes(t) -> int:
+    from onnx import helper
+
+    return int(np.prod(t.dims, dtype=np.int64)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
 def _plain_array_np(arr: np.ndarray) -> np.ndarray | None:
