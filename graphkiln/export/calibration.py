@@ -150,6 +150,7 @@ def _layer_by_layer(decoder, ids: list[int], progress=None) -> dict[str, np.ndar
             finally:
                 for h in hooks:
                     h.remove()
+            del layer, hooks  # before the next layer is read: one layer in memory at a time
             weights.release()
             if progress is not None:
                 progress(i)

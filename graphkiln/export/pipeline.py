@@ -155,8 +155,12 @@ def _quant_inputs(src: Path, decoder, prequantized: dict, opts: ExportOptions):
             _say(opts, "      no tokenizer.json to calibrate with: quantizing by weight error (--quant-method search)")
             opts = dataclasses.replace(opts, quant_method="search")
         else:
+            from tqdm import tqdm
+
             t0 = time.perf_counter()
-            importance = input_importance(decoder, ids)
+            with tqdm(total=decoder.cfg.num_layers, desc="calibrating", unit="layer", disable=not opts.progress,
+                      leave=False) as bar:
+                importance = input_importance(decoder, ids, progress=lambda i: bar.update(1))
             _say(opts, f"      calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f}s")
     return QuantInputs(prequantized, importance), opts
 

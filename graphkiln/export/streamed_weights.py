@@ -91,6 +91,7 @@ def _streamed_weight_class():
                 for start in range(0, n, step):
                     yield start, whole[start:start + step]
                 return
+            self.weights.release()  # a table comes after the layers: let the last one go first
             for start in range(0, n, step):
                 yield start, _numpy(self.weights.read_rows(self.param, start, min(n, start + step)))
 
@@ -107,6 +108,7 @@ def _streamed_weight_class():
                 for _, band in self.rows(band_bytes):
                     yield band
                 return
+            self.weights.release()
             stored = self.weights.read_stored(self.param)  # [N, K] in the checkpoint's dtype
             n, k = shape
             step = max(1, band_bytes // max(1, n * self.weights.dtype.itemsize))

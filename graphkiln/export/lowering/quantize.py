@@ -383,12 +383,17 @@ def pack_blocks(blocks, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | Non
     n, k = blocks.shape
     bits, block = blocks.bits, blocks.block_size
     k_blocks = (k + block - 1) // block
-    codes = np.zeros((n, k_blocks * block), np.uint8)  # the last block zero-padded, as the kernel reads it
-    codes[:, :k] = blocks.codes
+    if k == k_blocks * block:
+        codes = blocks.codes  # no padding to add: no copy
+    else:
+        codes = np.zeros((n, k_blocks * block), np.uint8)  # the last block zero-padded, as the kernel reads it
+        codes[:, :k] = blocks.codes
     zp = blocks.zero_points
     symmetric = bool((zp == 1 << (bits - 1)).all())
     if bits == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        high = codes[:, 1::2] << 4
+        high |= codes[:, 0::2]  # in place: one temporary of the packed size
+        codes = high
         if k_blocks % 2:
             zp = np.pad(zp, ((0, 0), (0, 1)))
         zp = zp[:, 0::2] | (zp[:, 1::2] << 4)
