@@ -1,6 +1,7 @@
 """How much memory this process can still allocate: read by export (rotary tables) and the
 runtime (state pools) before they allocate, so an oversized request is one error line instead
-of a MemoryError or the OOM killer."""
+of a MemoryError or the OOM killer. And what of an artifact's files this process keeps mapped
+and resident (``file_mappings``, ``release_file_pages``: the runtime's CPU sessions)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,62 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return available
+
+
+def file_mappings(directory) -> list[dict[str, int]]:
+    """This process's memory mappings of files under ``directory``: each one's ``start`` and ``end``
+    address and its ``Rss`` and ``Anonymous`` bytes (Linux, /proc/self/smaps); [] elsewhere or
+    where it cannot be read."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        prefix = str(Path(directory).resolve()) + "/"
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return []
+    regions: list[dict[str, int]] = []
+    current = None
+    for line in text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line
+            current = None
+            if len(fields) == 6 and fields[5].startswith(prefix):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                current = {"start": start, "end": end}
+                regions.append(current)
+        elif current is not None and fields and fields[0] in ("Rss:", "Anonymous:"):
+            current[fields[0][:-1]] = int(fields[1]) * 1024
+    return regions
+
+
+def release_file_pages(mappings) -> int:
+    """Drop the resident pages of ``mappings`` (``file_mappings`` entries) from this process
+    (``madvise(MADV_DONTNEED)``); returns the bytes that were resident. Only mappings with
+    resident pages and no anonymous one (a private mapping's page written to: the file no longer
+    holds its bytes) are touched, and for those nothing is lost: page-cache pages are unmapped,
+    and a later read faults the same bytes back, as after the kernel reclaimed them under memory
+    pressure. The caller must know that each mapping stays mapped meanwhile (a live object of its
+    own holds it): unmapped and reused, the address could hold other memory. Linux only;
+    elsewhere 0.
+
+    For onnxruntime's mappings of an artifact's external data (``runtime.backends.ort_cpu``): it
+    maps each initializer and reads it while building a session, and the pages of those it keeps
+    mapped stay resident, though it runs from its own pre-packed copies (MatMulNBits keeps its
+    block scales mapped after packing them: 0.2x the int4 weights' bytes;
+    scripts/bench_load_scale.py)."""
+    import ctypes
+    import mmap
+
+    mappings = [m for m in mappings if m.get("Rss", 0) and not m.get("Anonymous", 0)]
+    if not mappings or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    released = 0
+    for m in mappings:
+        if libc.madvise(m["start"], m["end"] - m["start"], mmap.MADV_DONTNEED) == 0:
+            released += m["Rss"]
+    return released

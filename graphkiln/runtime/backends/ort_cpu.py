@@ -20,11 +20,13 @@ state read at ``slot_idx``, so that read comes first.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.memory import file_mappings, release_file_pages
 from graphkiln.threads import check_threads
 from graphkiln.batched_int8 import derived_weights
 from graphkiln.manifest import (LORA_STACK_ROLES, SLOT_STATE_INPUTS, SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec,
@@ -77,7 +79,7 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None,
     if not spinning:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
-        session = ort.InferenceSession(str(artifact_dir / (file or spec.file)), opts, providers=["CPUExecutionProvider"])
+        session = _build_session(ort, artifact_dir, file or spec.file, opts)
     except Exception as exc:
         if any(t.dtype == "bfloat16" for t in spec.inputs + spec.outputs):
             raise GraphkilnError("bf16 artifacts do not run on onnxruntime CPU (it has no bf16 MatMul): "
@@ -87,6 +89,29 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None,
             "re-export the artifact (for CPU use --dtype fp32 or fp16)"
         ) from None
     check_io(session, spec)
+    return session
+
+
+_BUILDING = threading.Lock()  # one session built at a time in this process: see _build_session
+
+
+def _build_session(ort, artifact_dir: Path, graph_file: str, opts):
+    """The InferenceSession over ``graph_file``, and then the pages of the artifact's files
+    (its external data) that onnxruntime left resident dropped from this process (``memory.release_file_pages``).
+
+    onnxruntime memory-maps each external initializer and reads it while building the session;
+    those it keeps afterwards stay mapped, their pages resident, though it runs from its own
+    pre-packed copies: MatMulNBits keeps its block scales after packing them into its weights
+    (measured on a 1.5B-parameter int4 Llama: 0.14 GiB resident of 0.87 GiB of artifact, 1.26 ->
+    1.12 GiB RSS after load; none of it read back by prefill or decode). Only the mappings that
+    appeared while this session was built are released: this session holds them for its life,
+    so none is unmapped (and its address reused) meanwhile; builds are serialized in this process
+    so that another thread's half-built session's mappings, which it may unmap at any moment, are
+    never among them."""
+    with _BUILDING:
+        before = {m["start"] for m in file_mappings(artifact_dir)}
+        session = ort.InferenceSession(str(artifact_dir / graph_file), opts, providers=["CPUExecutionProvider"])
+        release_file_pages(m for m in file_mappings(artifact_dir) if m["start"] not in before)
     return session
 
 
