@@ -182,6 +182,7 @@ def bind_streamed_tables(ir_model, model) -> None:
     tables = {"model.embed_tokens.weight": emb} | ({} if tied else {"lm_head.weight": head})
     views = {name: t.detach().view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
              for name, t in tables.items()}
+    own_names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value
         if tensor is None or is_streamed(tensor) or tensor.size not in {t.numel() for t in tables.values()}:
@@ -192,8 +193,8 @@ def bind_streamed_tables(ir_model, model) -> None:
             arr = None
         source = next((n for n, v in views.items() if arr is not None and np.may_share_memory(arr, v)), None)
         if source is None:
-            if name in graph.initializers and name.startswith("model.layers."):
-                continue  # a layer weight as large as a table: its own
+            if name in own_names or name.startswith("model.layers."):
+                continue  # a parameter or buffer of its own that happens to be as large as a table
             raise GraphkilnError(f"the exporter computed initializer {name} from the placeholder embedding or head "
                                  "of a streamed export: report this with the checkpoint's config.json")
         shape = tuple(tensor.shape)
@@ -210,6 +211,11 @@ def bind_streamed_tables(ir_model, model) -> None:
             value.name = new_name
             graph.register_initializer(value)
         value.const_value = streamed_weight(weights, source, transform, shape, new_name)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        value = graph.initializers.get(name)
+        if value is not None and not is_streamed(value.const_value):
+            raise GraphkilnError(f"initializer {name} of a streamed export is not read from the checkpoint: report "
+                                 "this with the checkpoint's config.json")
 
 
 def stream_template_layers(ir_model, model, reps: tuple[int, ...]) -> None:
