@@ -91,6 +91,15 @@ def test_non_finite_weight_is_refused_naming_it(llama_case, checkpoint_copy, out
     export_fails(capsys, ckpt, out_dir, f"'{tensor}'", f"has {kind} values")
 
 
+def test_non_finite_weight_is_refused_naming_it_when_quantizing(llama_case, checkpoint_copy, out_dir, capsys):
+    """A streamed quantized export reads each weight only as it quantizes it, inside the lowering
+    (export.streamed_weights): the NaN is still named as the checkpoint's tensor."""
+    ckpt = checkpoint_copy(llama_case)
+    tensor = "model.layers.1.mlp.down_proj.weight"
+    edit_tensors(ckpt, _poison(tensor, np.nan))
+    export_fails(capsys, ckpt, out_dir, f"'{tensor}'", "has NaN values", extra=("--quant", "int4"))
+
+
 @pytest.mark.parametrize("value", ["nan"])  # infinities: the dense cases above (same check)
 def test_non_finite_expert_weight_is_refused_naming_it(moe_case, checkpoint_copy, out_dir, capsys, value):
     ckpt = checkpoint_copy(moe_case)

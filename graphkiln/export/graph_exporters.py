@@ -12,6 +12,7 @@ graph reads it, before the last reader's lowering loads weights again.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -142,8 +143,11 @@ def _export_decoder(plan: GraphPlan, ctx: ExportContext) -> ExportedGraph:
     n_traced = len(traced.traced_layers)
     how = "" if n_traced == cfg.num_layers else f" ({n_traced} of {cfg.num_layers} layers traced, the rest stamped)"
     ctx.say(f"      traced in {time.perf_counter() - t1:.1f}s{how}")
-    graphs, used = lower_for_targets(ctx.out_dir, traced.graph, traced.custom_ops, ctx.targets, ctx.opts,
-                                     say=ctx.say, quant_inputs=ctx.quant_inputs)
+    try:  # a streamed export's deferred weights are read (and checked) as the lowering writes them
+        graphs, used = lower_for_targets(ctx.out_dir, traced.graph, traced.custom_ops, ctx.targets, ctx.opts,
+                                         say=ctx.say, quant_inputs=ctx.quant_inputs)
+    except NonFiniteWeight as exc:
+        raise ctx.non_finite(exc) from None
     return ExportedGraph(graphs, tuple(used), batched=_batched_graphs(ctx, graphs))
 
 
@@ -261,7 +265,8 @@ def non_finite_error(exc: NonFiniteWeight, src: Path, family, cfg, dtype: str, d
     again, one at a time, to name the one the user can find (q_proj, not the fused qkv_proj)."""
     from graphkiln.models.weights import find_non_finite
 
-    param = exc.initializer[:-2] if exc.initializer.endswith(".T") else exc.initializer
+    # the tensors a lowering makes from a weight carry its name: <weight>.q4 / .scales / .ort_interleaved
+    param = re.sub(r"(\.T)?(\.(q4|q8|scales|zero_points|ort_interleaved|ort_doubled)(_\d+)?)?$", "", exc.initializer)
     params = dict(decoder.named_parameters()) if decoder is not None else {}
     found = find_non_finite(src, family, cfg, dtype, hint=param if param in params else None)
     if found is None:  # not a checkpoint weight: something computed at export
