@@ -97,3 +97,20 @@ def release_file_pages(mappings) -> int:
         if libc.madvise(m["start"], m["end"] - m["start"], mmap.MADV_DONTNEED) == 0:
             released += m["Rss"]
     return released
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``): building a
+    session, or deriving weights at load, frees large temporaries that glibc otherwise keeps
+    (measured: 0.03 GiB after a 1.5B int4 Llama's session, 0.15 GiB after a 0.3B one's batched
+    int8 weights). A no-op without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

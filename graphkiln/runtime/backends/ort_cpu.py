@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.memory import file_mappings, release_file_pages
+from graphkiln.memory import file_mappings, release_file_pages, trim_heap
 from graphkiln.threads import check_threads
 from graphkiln.batched_int8 import derived_weights
 from graphkiln.manifest import (LORA_STACK_ROLES, SLOT_STATE_INPUTS, SLOT_STATE_ROLES, BatchedGraphSpec, GraphSpec,
@@ -112,6 +112,7 @@ def _build_session(ort, artifact_dir: Path, graph_file: str, opts):
         before = {m["start"] for m in file_mappings(artifact_dir)}
         session = ort.InferenceSession(str(artifact_dir / graph_file), opts, providers=["CPUExecutionProvider"])
         release_file_pages(m for m in file_mappings(artifact_dir) if m["start"] not in before)
+    trim_heap()  # the build's temporaries (and a batched graph's derived weights' ones)
     return session
 
 
