@@ -118,9 +118,10 @@ def test_preflight_refuses_in_one_line_and_writes_nothing(tiny, tmp_path, monkey
     else:
         usage = shutil.disk_usage(tmp_path)
         monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    from cli_contract import assert_one_error
+
     out = tmp_path / "out"
-    assert main(["export", str(case.checkpoint), "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "GiB" in err[0], err
-    assert ("--dtype fp16" in err[0]) if short == "memory" else ("--quant int4" in err[0] and "-o" in err[0])
+    code = main(["export", str(case.checkpoint), "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN)])
+    needles = ("GiB of memory", "--dtype fp16") if short == "memory" else ("no space left", "--quant int4", "--output")
+    assert_one_error(code, capsys.readouterr().err, *needles)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "out"]

@@ -345,9 +345,12 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     from graphkiln.export.stages import check_stage_request
 
     stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
-    _preflight(src, family, cfg, opts, targets, out_dir)
+    est = _preflight(src, family, cfg, opts, targets)
     io_before = _written_bytes()
     with atomic_directory(out_dir, overwrite=opts.overwrite, protected=(src, Path(model))) as tmp:
+        from graphkiln.export import preflight
+
+        preflight.check_disk(est, tmp, Path(out_dir), opts)
         try:
             return _export_into(tmp, model, src, out_dir, arch, family, cfg, vcfg, opts, targets, prequantized,
                                 generation, max_seq_len, stage_ranges, lora_paths, io_before)
@@ -357,8 +360,9 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             forget_deferred(tmp)
 
 
-def _preflight(src: Path, family, cfg, opts: ExportOptions, targets: tuple[str, ...], out_dir: Path) -> None:
-    """Estimate the export's peak memory and disk need and refuse when they do not fit (export.preflight)."""
+def _preflight(src: Path, family, cfg, opts: ExportOptions, targets: tuple[str, ...]):
+    """Estimate the export's peak memory and disk need (export.preflight) and refuse when the memory
+    does not fit; the disk is checked once the output path is (``preflight.check_disk``)."""
     from graphkiln.export import preflight
     from graphkiln.export.layer_stamping import template_layers
     from graphkiln.models.weights import CheckpointWeights, meta_decoder
@@ -369,8 +373,9 @@ def _preflight(src: Path, family, cfg, opts: ExportOptions, targets: tuple[str, 
     finally:
         if weights is not None:
             weights.close()
-    preflight.check(est, out_dir, opts)
+    preflight.check_memory(est, opts)
     _say(opts, f"      estimated peak memory {est.peak_memory / 2**30:.1f} GiB, artifact {est.artifact / 2**30:.2f} GiB")
+    return est
 
 
 def _written_bytes() -> int | None:

@@ -78,8 +78,8 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
     return Estimate(peak, disk, artifact, largest, template_bytes, table_work)
 
 
-def check(est: Estimate, out_dir: Path, opts) -> None:
-    """Refuse in one line when the memory or the disk available now cannot hold the export."""
+def check_memory(est: Estimate, opts) -> None:
+    """Refuse in one line when the memory available now cannot hold the export's peak."""
     gib = 2 ** 30
     available = available_memory()
     if available is not None and est.peak_memory > available:
@@ -89,12 +89,21 @@ def check(est: Estimate, out_dir: Path, opts) -> None:
             f"{est.template / gib:.1f} GiB, one layer {est.largest_layer / gib:.1f} GiB twice, the embedding/head "
             f"{est.table / gib:.1f} GiB, {BASE_BYTES / gib:.1f} GiB for the tools) but {available / gib:.1f} GiB is "
             f"available: {remedy}, or close other programs")
-    free = _free_disk(out_dir)
+
+
+def check_disk(est: Estimate, where: Path, target: Path, opts) -> None:
+    """Refuse in one line when the filesystem of ``where`` (the export's temporary directory, beside
+    ``target``) has less free space than the export will write. Run inside the publication, after
+    the output path itself was checked (read-only and protected paths get their own errors), so the
+    partial directory and the parents it made are removed as for any write failure."""
+    gib = 2 ** 30
+    free = _free_disk(where)
     if free is not None and est.disk > free:
         remedy = "add --quant int4, or " if not opts.quant else ""
         raise GraphkilnError(
-            f"this export writes about {est.disk / gib:.1f} GiB (artifact {est.artifact / gib:.1f} GiB) but the output's "
-            f"disk has {free / gib:.1f} GiB free: {remedy}pass -o a directory on another disk")
+            f"no space left on device for {target}: this export writes about {est.disk / gib:.2f} GiB (artifact "
+            f"{est.artifact / gib:.2f} GiB) but the disk has {free / gib:.2f} GiB free: {remedy}pass --output a "
+            "directory on another disk")
 
 
 def _free_disk(out_dir: Path) -> int | None:
