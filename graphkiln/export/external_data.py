@@ -432,8 +432,7 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
     with bar, open(new, "wb", buffering=0) as dst, open(old, "rb") if old.exists() else open(os.devnull, "rb") as src:
         for t in model.graph.initializer:
             producer = deferred_producer(t, path.parent)
-            small = producer is not None and int(np.prod(t.dims, dtype=np.int64)) * np.dtype(
-                helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize <= size_threshold
+            small = producer is not None and _declared_bytes(t) <= size_threshold
             if small:  # inline, as a small tensor made in memory would be (same rule as below)
                 arr = np.ascontiguousarray(_produce(producer, t))
                 check_finite(t.name, _NumpyTensor(arr))
@@ -459,8 +458,7 @@ def rewrite_external_data(model, path: Path, size_threshold: int = 1024, extra_d
                         if scratch is not None:
                             pool.give_back(scratch)
                     del arr, plain
-                expected = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(
-                    helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+                expected = _declared_bytes(t)
                 if length != expected:
                     raise ValueError(f"deferred initializer {t.name!r}: wrote {length} bytes, expected {expected}")
                 bar.update(_declared_bytes(t))
