@@ -114,3 +114,18 @@ def trim_heap() -> None:
         return
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
+
+
+def require_memory(needed: int, what: str, remedy: str) -> None:
+    """Refuse in one line when ``needed`` bytes (``what`` would allocate them: "loading this
+    artifact", "--max-loras 64 adapter stacks") exceed the memory available now (cgroup limits
+    included), naming both figures and ``remedy`` (the flag that lowers the figure). Called before
+    the allocation, so the answer is an error line and never the OOM killer's exit 137. Unknown
+    availability (no /proc, no sysconf) lets the allocation go ahead."""
+    from graphkiln.errors import GraphkilnError
+
+    available = available_memory()
+    if available is not None and needed > available:
+        gib = 2 ** 30
+        raise GraphkilnError(f"{what} needs about {needed / gib:.2f} GiB of memory but {available / gib:.2f} GiB is "
+                             f"available: {remedy}, or close other programs")
