@@ -335,3 +335,29 @@ def test_bad_settings_are_one_line(tiny, tmp_path):
         Engine.load(tiny("llava_clip", "onnxruntime").artifact, threads=1, draft=tiny("llava_clip", "onnxruntime").artifact)
     with pytest.raises(GraphkilnError, match="is not a directory"):
         Engine.load(case.artifact, threads=1, draft=tmp_path / "missing")
+
+
+# the issue's two (an empty K, another script's digit), their kin, and spellings already refused
+BAD_SETTINGS = ["ngram:", "draft:", "ngram:\u0663", "draft:\uff13", "ngram:\u00b2", "ngram:04", "ngram:+3", "ngram:-3",
+                "ngram: 3", "ngram:3 ", " ngram", "ngram:3\n", "ngram:0", "ngram:17", "NGRAM", "ngram:4:4", ""]
+
+
+def test_spelling_is_strict_everywhere():
+    """Every way a speculation setting is given (the Python API's GenerationConfig, --speculative
+    at startup, a request's ``speculative``) refuses a spelling that is not exactly ngram[:K],
+    draft[:K] (K 1-16 in ASCII digits) or off, in one line; it once took "ngram:" and "ngram:\u0663"."""
+    from pydantic import ValidationError
+
+    from graphkiln.serve.schemas import CompletionRequest
+    from graphkiln.serve.server import default_speculation
+
+    for value in BAD_SETTINGS:
+        with pytest.raises(GraphkilnError, match="is not supported") as err:
+            GenerationConfig(speculative=value)
+        assert "\n" not in str(err.value) and str(err.value).isascii(), value
+        with pytest.raises(GraphkilnError, match="^--speculative .* is not supported"):
+            default_speculation(value, None)
+        with pytest.raises(ValidationError, match="is not supported"):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculative": value})
+    for good, setting in (("ngram", ("ngram", 4)), ("draft:16", ("draft", 16)), ("ngram:1", ("ngram", 1))):
+        assert speculate.parse_speculative(good) == setting

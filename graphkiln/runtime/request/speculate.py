@@ -35,26 +35,34 @@ promises more tokens than the run it adds costs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 
 SOURCES = ("ngram", "draft")
 
 
+# the whole spelling, ASCII only: int() would also take "٣" or "３", and "ngram:" is not a K
+_SETTING = re.compile(r"(ngram|draft)(?::([1-9][0-9]?))?", re.ASCII)
+
+
 def parse_speculative(text: str | None) -> tuple[str, int] | None:
-    """``"ngram[:K]"`` / ``"draft[:K]"`` -> (source, K draft tokens, default 4); None and "off" -> None."""
+    """``"ngram[:K]"`` / ``"draft[:K]"`` -> (source, K draft tokens, default 4); None and "off" -> None.
+    K is 1 to 16 in ASCII digits without sign, space or leading zero; anything else (an empty K,
+    another script's digits) is one GraphkilnError line."""
     if text is None or text == "off":
         return None
-    kind, _, k = str(text).partition(":")
-    if kind not in SOURCES or (k and not (k.isdigit() and 1 <= int(k) <= 16)):
-        raise GraphkilnError(f"speculative {text!r} is not supported: use 'ngram[:K]' (prompt-lookup drafts), "
-                             "'draft[:K]' (a draft model's) with K from 1 to 16, or 'off'")
-    return kind, int(k) if k else 4
+    found = _SETTING.fullmatch(text) if isinstance(text, str) else None
+    if found is None or (found[2] is not None and int(found[2]) > 16):
+        raise GraphkilnError(f"speculative {show(text, 40)} is not supported: use 'ngram[:K]' (prompt-lookup "
+                             "drafts), 'draft[:K]' (a draft model's) with K from 1 to 16, or 'off'")
+    return found[1], int(found[2]) if found[2] else 4
 
 
 def ngram_draft(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
