@@ -332,12 +332,13 @@ def test_conversion_gives_the_known_float_weights_and_blocks(name, built, tmp_pa
     import torch
 
     from graphkiln.models import hf_quantized
+    from graphkiln.models.hf_quantized import shards
     from graphkiln.models.prequantized import read_sidecar
 
     b = built(name)
     dest = tmp_path / "converted"
     if b.scheme.shards > 1:  # the output sharded too: shards of ~64 KB and an index
-        monkeypatch.setattr(hf_quantized, "SHARD_BYTES", 64 << 10)
+        monkeypatch.setattr(shards, "SHARD_BYTES", 64 << 10)
     hf_quantized.convert_quantized_checkpoint(b.quantized, dest)
     if b.scheme.shards > 1:
         from transformers import AutoModelForCausalLM

@@ -1,0 +1,103 @@
+"""Converting a pre-quantized checkpoint directory: the quantization_config's layout plans the
+quantized modules, every header is checked before anything is written, then the non-weight files,
+config.json without its quantization_config, the tensors (dequantized weights in place of packed
+ones) and the blocks' sidecar are written (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from graphkiln.errors import GraphkilnError
+from graphkiln.models.hf_quantized.awq import AWQ
+from graphkiln.models.hf_quantized.compressed_tensors import CompressedTensors
+from graphkiln.models.hf_quantized.gptq import GPTQ
+from graphkiln.models.hf_quantized.layout import Layout
+from graphkiln.models.hf_quantized.shards import ShardWriter, Store
+
+# Files of the source directory not copied into the converted one: weights (rewritten, or formats
+# never read), and the quantizers' own config files, which describe weights the copy no longer has.
+_SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".msgpack", ".h5",
+                     ".gguf", ".npz", ".npy")
+_SKIPPED_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "quant_config.json",
+                  "quantization_config.json")
+
+
+def convert_quantized_checkpoint(src: Path, dest: Path) -> None:
+    """Convert the GPTQ / AWQ / compressed-tensors checkpoint directory ``src`` into the ordinary
+    checkpoint directory ``dest`` (see the module docstring); one ``GraphkilnError`` line when the
+    checkpoint is malformed or its layout does not map onto MatMulNBits (``dest`` removed then)."""
+    from graphkiln.models.weights import read_config
+
+    src, dest = Path(src), Path(dest)
+    raw = read_config(src)
+    qc = raw.get("quantization_config")
+    layout = layout_for(qc)
+    store = Store(src)
+    try:
+        modules, passthrough = layout.plan(store)
+        for module, parts in modules.items():  # every header checked before anything is written
+            layout.check_headers(store, module, parts)
+        created = not dest.exists()
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            _write(src, dest, raw, store, layout, modules, passthrough)
+        except BaseException:
+            if created:
+                shutil.rmtree(dest, ignore_errors=True)
+            raise
+    finally:
+        store.close()
+
+
+def _write(src: Path, dest: Path, raw: dict, store: "Store", layout: "Layout", modules: dict,
+           passthrough: list[str]) -> None:
+    from graphkiln.models.prequantized import write_sidecar
+
+    for path in sorted(src.iterdir()):  # the non-weight files (hub snapshots hold symlinks: followed)
+        if path.name in _SKIPPED_FILES or path.suffix.lower() in _SKIPPED_SUFFIXES or path.name.startswith("."):
+            continue
+        if path.is_file():
+            shutil.copyfile(path, dest / path.name)
+    config = {k: v for k, v in raw.items() if k != "quantization_config"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    # tensors in the source's order, each quantized module's weight where its packed weight was
+    anchor = {parts[layout.anchor]: module for module, parts in modules.items()}
+    order = sorted([*passthrough, *anchor], key=lambda n: (store.order(n), n))
+    writer = ShardWriter(dest)
+    blocks = {}
+    for name in order:
+        if name in anchor:
+            module = anchor[name]
+            b = layout.blocks(store, module, modules[module])
+            blocks[f"{module}.weight"] = b
+            writer.add(f"{module}.weight", _torch(b.dequantize()))
+        else:
+            writer.add(name, store.tensor(name))
+    writer.close()
+    write_sidecar(dest, blocks)
+
+
+def _torch(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def layout_for(qc) -> Layout:
+    """The layout of a ``quantization_config``, or a one-line refusal of what it cannot map."""
+    if not isinstance(qc, dict):
+        raise GraphkilnError("config.json: 'quantization_config' is not a mapping: fix or re-save config.json")
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return GPTQ(qc)
+    if method == "awq":
+        return AWQ(qc)
+    if method == "compressed-tensors":
+        return CompressedTensors(qc)
+    raise GraphkilnError(f"quantized checkpoints (quant_method {method}) are not converted by graphkiln (it reads "
+                         "gptq, awq, compressed-tensors): export the unquantized checkpoint and use --quant")
