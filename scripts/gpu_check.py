@@ -32,8 +32,11 @@ step in fp16, the kernels dtype by dtype, the graph step in bf16, TensorRT):
                the in-place state must equal the eager run's bit for bit.
   3. tensorrt  where TensorRT is importable: exports a tiny random LFM2-MoE-style model (no
                network; built as tests/conftest.py builds its checkpoints), runs
-               ``graphkiln build ART --backend tensorrt`` and compares greedy generation of
-               ``Engine.load(ART, backend="tensorrt")`` with the CPU ``Engine.load(ART)``.
+               ``graphkiln build ART --backend tensorrt``, compares the engine with its graph
+               in onnxruntime step by step through polygraphy (``graphkiln.trt_build.compare``:
+               polygraphy's TrtRunner and OnnxrtRunner, its Comparator) and greedy generation
+               of ``Engine.load(ART, backend="tensorrt")`` with the CPU ``Engine.load(ART)``
+               (tokens; logits before the first divergence by polygraphy's comparator).
                Otherwise one row: "skipped: TensorRT not installed".
 
 Exit status: 0 when every row that ran passed, 1 when any failed or was cut by ``--budget``,
@@ -823,20 +826,25 @@ def build_tiny_checkpoint(out_dir: Path) -> Path:
 
 def check_tensorrt(workdir: Path) -> Row:
     """Export (onnxruntime + tensorrt graphs in one artifact), ``graphkiln build`` through the
-    CLI, then greedy tokens of the TensorRT engine against the CPU engine on the same artifact."""
+    CLI, then, through polygraphy: the engine against its tensorrt-target graph in onnxruntime
+    step by step (``trt_build.compare.compare_engine``: prefill, decode and a chunk onto a
+    filled cache; logits and the state rows each step wrote), and greedy generation of the
+    TensorRT engine against the CPU engine on the same artifact (tokens, and the logits before
+    the first divergence compared by polygraphy's comparator)."""
     row = Row("tensorrt engine vs CPU", "float32", f"{TRT_MODEL[0]} tiny, prompts {list(TRT_PROMPT_LENGTHS)}, "
               f"{TRT_NEW_TOKENS} greedy tokens", passed=None)
     if importlib.util.find_spec("tensorrt") is None:
         row.note = "skipped: TensorRT not installed"
         return row
-    missing = [m for m in ("transformers", "onnxscript") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("transformers", "onnxscript", "polygraphy") if importlib.util.find_spec(m) is None]
     if missing:
-        row.note = f"skipped: {', '.join(missing)} not installed (needed to export the tiny model)"
+        row.note = f"skipped: {', '.join(missing)} not installed (needed to export the tiny model and compare)"
         return row
     import numpy as np
 
     from graphkiln.export.pipeline import ExportOptions, export_model
     from graphkiln.runtime import Engine, GenerationConfig
+    from graphkiln.trt_build.compare import TOLERANCES, compare_engine
 
     ckpt = build_tiny_checkpoint(workdir / "checkpoint")
     art = workdir / "artifact"
@@ -850,29 +858,38 @@ def check_tensorrt(workdir: Path) -> Row:
         row.passed = False
         row.note = f"graphkiln build exit {proc.returncode}: {_last_line(proc.stderr or proc.stdout)}"
         return row
+    steps = compare_engine(art)
     rng = np.random.default_rng(TRT_MODEL[2])
     prompts = [rng.integers(3, TRT_MODEL[1]["vocab_size"], n).tolist() for n in TRT_PROMPT_LENGTHS]
     cfg = GenerationConfig(max_new_tokens=TRT_NEW_TOKENS, do_sample=False, stop_token_ids=(), output_logits=True)
     cpu = Engine.load(art).generate(prompts, cfg)
     trt = Engine.load(art, backend="tensorrt").generate(prompts, cfg)
-    agree, total, row.error, problems = compare_greedy(cpu, trt)
-    row.passed = not problems
-    row.note = _join(f"greedy tokens agree {agree}/{total}", "; ".join(problems))
+    agree, total, greedy, problems = compare_greedy(cpu, trt)
+    compared = [c for c in (steps, greedy) if c.diffs]
+    row.error = max(c.max_absdiff for c in compared) if compared else None
+    row.tolerance = TOLERANCES[row.dtype][0]
+    row.passed = steps.passed and not problems and (greedy.passed or not greedy.diffs)
+    row.note = _join(f"greedy tokens agree {agree}/{total}", "; ".join(
+        problems + [f"engine steps: {steps.summary()}"] + ([f"greedy logits: {greedy.summary()}"] if greedy.diffs else [])))
     return row
 
 
-def compare_greedy(want: Sequence, got: Sequence) -> tuple[int, int, float, list[str]]:
+def compare_greedy(want: Sequence, got: Sequence):
     """Greedy ``GenerationResult``s of two engines on the same prompts: (tokens that agree,
-    tokens wanted, max |logit difference| / max |wanted logit| over the steps before the
-    first divergence — later logits follow different tokens —, one problem per prompt whose
-    tokens differ)."""
+    tokens wanted, polygraphy's comparison of the logits of each prompt's steps before its
+    first divergence — later logits follow different tokens — ``want`` the reference, one
+    problem per prompt whose tokens differ). Prompts without logits before the divergence
+    add nothing to the comparison."""
     import numpy as np
 
+    from graphkiln.trt_build.compare import compare_results
+
     agree = total = 0
-    err = 0.0
     problems = []
+    named: dict[str, list[dict]] = {"want": [], "got": []}
+    iterations = []
     if len(want) != len(got):
-        return 0, sum(len(a.token_ids) for a in want), math.inf, [f"{len(got)} results for {len(want)} prompts"]
+        return 0, sum(len(a.token_ids) for a in want), compare_results(named), [f"{len(got)} results for {len(want)} prompts"]
     for i, (a, b) in enumerate(zip(want, got)):
         same = [x == y for x, y in zip(a.token_ids, b.token_ids)]
         prefix = next((j for j, s in enumerate(same) if not s), len(same))
@@ -881,10 +898,10 @@ def compare_greedy(want: Sequence, got: Sequence) -> tuple[int, int, float, list
         if prefix < len(a.token_ids) or len(a.token_ids) != len(b.token_ids):
             problems.append(f"prompt {i} differs from token {prefix}")
         if a.logits is not None and b.logits is not None and prefix:
-            la, lb = np.asarray(a.logits[:prefix], np.float64), np.asarray(b.logits[:prefix], np.float64)
-            scale = max(float(np.abs(la).max()), 1e-6)
-            err = max(err, float(np.abs(la - lb).max()) / scale if np.isfinite(lb).all() else math.inf)
-    return agree, total, err, problems
+            named["want"].append({"logits": np.asarray(a.logits[:prefix], np.float32)})
+            named["got"].append({"logits": np.asarray(b.logits[:prefix], np.float32)})
+            iterations.append(f"prompt {i}")
+    return agree, total, compare_results(named, iterations=iterations), problems
 
 
 # ----------------------------------------------------------------------------------------------

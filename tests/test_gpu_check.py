@@ -324,15 +324,28 @@ def test_decode_step_runs_eagerly_in_place_and_deterministically():
     assert len(idle.problems) == 4  # same outputs; conv slots, key rows, value rows not written
 
 
-def test_compare_greedy():
+def test_compare_greedy_compares_logits_with_polygraphy():
+    """Tokens are counted; the logits before each prompt's first divergence go through
+    polygraphy's comparator (fp32 tolerance: atol = rtol = 1e-2), later ones are never compared."""
     from graphkiln.runtime.requests import GenerationResult
 
     logits = np.array([[1.0, 4.0], [2.0, -3.0], [0.5, 0.5]])
     want = [GenerationResult([1], [5, 6, 7], logits=logits), GenerationResult([2], [8, 9], logits=logits[:2])]
-    same = [GenerationResult([1], [5, 6, 7], logits=logits + 0.04), GenerationResult([2], [8, 9], logits=logits[:2])]
-    assert gc.compare_greedy(want, same) == (5, 5, pytest.approx(0.01), [])
+    for shift, passes in ((0.0, True), (0.004, True), (0.04, False), (np.nan, False)):
+        got = [GenerationResult([1], [5, 6, 7], logits=logits + shift), GenerationResult([2], [8, 9], logits=logits[:2])]
+        agree, total, logit_cmp, problems = gc.compare_greedy(want, got)
+        assert (agree, total, problems) == (5, 5, [])
+        assert logit_cmp.passed is passes, (shift, logit_cmp.summary())
+        assert {(d.iteration, d.output) for d in logit_cmp.diffs} == {("prompt 0", "logits"), ("prompt 1", "logits")}
+        if not np.isnan(shift):
+            assert logit_cmp.max_absdiff == pytest.approx(shift, abs=1e-6)
     # diverging at token 1: logits after it follow other tokens and are not compared
-    other = [GenerationResult([1], [5, 0, 7], logits=logits + np.array([[0.0], [100.0], [100.0]])), same[1]]
-    agree, total, err, problems = gc.compare_greedy(want, other)
-    assert (agree, total, err, problems) == (4, 5, 0.0, ["prompt 0 differs from token 1"])
-    assert gc.compare_greedy(want, same[:1])[3] == ["1 results for 2 prompts"]
+    other = [GenerationResult([1], [5, 0, 7], logits=logits + np.array([[0.0], [100.0], [100.0]])), want[1]]
+    agree, total, logit_cmp, problems = gc.compare_greedy(want, other)
+    assert (agree, total, problems) == (4, 5, ["prompt 0 differs from token 1"])
+    assert logit_cmp.passed and logit_cmp.max_absdiff == 0.0
+    # diverging at token 0 everywhere: nothing to compare, and that is not a pass
+    first = [GenerationResult([1], [0, 6, 7], logits=logits), GenerationResult([2], [0, 9], logits=logits[:2])]
+    agree, total, logit_cmp, problems = gc.compare_greedy(want, first)
+    assert agree == 3 and not logit_cmp.diffs and not logit_cmp.passed and len(problems) == 2
+    assert gc.compare_greedy(want, want[:1])[3] == ["1 results for 2 prompts"]

@@ -409,6 +409,11 @@ def test_tensorrt_build(tiny, artifact_copy, capsys):
         for name, shapes in profile.shapes.items():
             got = tuple(tuple(s) for s in cuda_engine.get_tensor_profile_shape(name, i))
             assert got == shapes, (profile.name, name)
+    # the engine against its graph in onnxruntime, step by step, through polygraphy (as scripts/gpu_check.py)
+    from graphkiln.trt_build.compare import compare_engine
+
+    comparison = compare_engine(art)
+    assert comparison.passed, comparison.summary()
     # a rebuild reuses the timing cache and replaces the entry
     code, out, err = run_cli(capsys, "build", art, "--backend", "tensorrt", "--max-batch", "2", "--max-seq-len", "32")
     assert code == 0, err
