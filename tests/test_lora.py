@@ -180,7 +180,7 @@ def test_slots_are_lru_and_held_by_running_requests(lora_case, tmp_path):
     # a running request holds its slot: neither unloaded nor evicted until it finishes
     stream = engine.stream([5, 6, 7], dataclasses.replace(GREEDY, adapter="gamma"))
     next(stream)
-    with pytest.raises(GraphkilnError, match="in use by 1 running request"):
+    with pytest.raises(GraphkilnError, match="in use by 1 queued or running request"):
         engine.unload_adapter("gamma")
     stream.close()
     engine.unload_adapter("gamma")
@@ -241,3 +241,57 @@ def test_hostile_lora_manifest_is_one_line(lora_case, change, needle):
     with pytest.raises(GraphkilnError, match="manifest.json") as err:
         Manifest.from_json(_mutate(lora_case.manifest, change))
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_queued_requests_hold_their_adapter(lora_case, tmp_path):
+    """A request holds its adapter from submission, not only once it runs: while it waits in the
+    scheduler's queue the adapter is neither unloaded (refused, naming the queued request) nor
+    evicted by a load; the queued request then runs with it. A queued request that is cancelled
+    (shutdown) lets go of it."""
+    gamma = shutil.copytree(lora_case.adapters["beta"], tmp_path / "gamma")
+    engine = load(lora_case.artifact, lora_case.adapters)  # alpha then beta: alpha is the LRU
+    want = engine.generate([5, 6, 7], dataclasses.replace(GREEDY, adapter="alpha"))[0].token_ids
+    engine.generate([5, 6, 7], dataclasses.replace(GREEDY, max_new_tokens=1, adapter="beta"))  # alpha LRU again
+    # not started: every submitted request stays queued
+    sched = Scheduler(engine, max_batch=1, step_tokens=64)
+    handle = sched.submit([5, 6, 7], dataclasses.replace(GREEDY, adapter="alpha"))
+    with pytest.raises(GraphkilnError, match="'alpha' is in use by 1 queued or running request"):
+        engine.unload_adapter("alpha")
+    engine.load_adapter("gamma", gamma)  # evicts beta, the one no request holds
+    assert sorted(engine.adapter_names()) == ["alpha", "gamma"]
+    sched.start()
+    try:
+        assert handle.result(timeout=60).token_ids == want
+    finally:
+        sched.shutdown(10)
+    engine.unload_adapter("alpha")  # released when it finished
+
+    # cancelled while queued: shutdown without ever starting
+    engine.load_adapter("alpha", lora_case.adapters["alpha"])
+    sched = Scheduler(engine, max_batch=1, step_tokens=64)
+    handle = sched.submit([5, 6, 7], dataclasses.replace(GREEDY, adapter="alpha"))
+    with pytest.raises(GraphkilnError, match="queued or running"):
+        engine.unload_adapter("alpha")
+    sched.shutdown(0)
+    assert handle.result(timeout=10).finish_reason == "cancelled"
+    engine.unload_adapter("alpha")
+    assert engine.adapter_names() == ["gamma"]
+
+
+def test_queued_behind_a_running_request(lora_case):
+    """The scheduler running: a request for beta waits behind a long one (one slot); unloading beta
+    meanwhile is refused, and the queued request then completes with beta's tokens."""
+    engine = load(lora_case.artifact, lora_case.adapters)
+    want = engine.generate([9, 8, 7], dataclasses.replace(GREEDY, adapter="beta"))[0].token_ids
+    sched = Scheduler(engine, max_batch=1, step_tokens=64)
+    sched.start()
+    try:
+        first = sched.submit([1, 2, 3], GenerationConfig(max_new_tokens=MAX_SEQ_LEN - 4, stop_token_ids=()))
+        queued = sched.submit([9, 8, 7], dataclasses.replace(GREEDY, adapter="beta"))
+        with pytest.raises(GraphkilnError, match="'beta' is in use by 1 queued or running request"):
+            engine.unload_adapter("beta")
+        assert first.result(timeout=60).finish_reason == "length"
+        assert queued.result(timeout=60).token_ids == want
+    finally:
+        sched.shutdown(10)
+    engine.unload_adapter("beta")

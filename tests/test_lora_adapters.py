@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -188,6 +189,21 @@ def duplicate_header_key(d: Path):
     (d / "adapter_model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + blob[8 + n:])
 
 
+def write_header(d: Path, header: bytes):
+    """adapter_model.safetensors holding ``header`` (padded to 8 bytes) and no data."""
+    header = header.ljust(-(-len(header) // 8) * 8)
+    (d / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def sparse_header(n: int):
+    """A safetensors file declaring an ``n``-byte header that is all there (a sparse file: costs no disk)."""
+    def change(d: Path):
+        with open(d / "adapter_model.safetensors", "wb") as f:
+            f.write(n.to_bytes(8, "little") + b"{")
+            f.truncate(8 + n)
+    return change
+
+
 def pickle_only(d: Path):
     (d / "adapter_model.safetensors").unlink()
     # loading this pickle would create the sentinel file: the test checks it was never unpickled
@@ -210,10 +226,10 @@ def dir_as_config(d: Path):
 # id: (change to a copy of the plain adapter, read_peft_adapter overrides, words the message must hold)
 REFUSALS = {
     "missing_directory": (lambda d: shutil.rmtree(d), {}, ["not a directory"]),
-    "missing_config": (lambda d: (d / "adapter_config.json").unlink(), {}, ["no adapter_config.json"]),
-    "unreadable_config": (dir_as_config, {}, ["cannot read adapter_config.json"]),
+    "missing_config": (lambda d: (d / "adapter_config.json").unlink(), {}, ["adapter_config.json' does not exist"]),
+    "unreadable_config": (dir_as_config, {}, ["adapter_config.json' is a directory"]),
     "config_not_json": (write("adapter_config.json", b"{'r': 4"), {}, ["not valid JSON"]),
-    "config_not_utf8": (write("adapter_config.json", b'{"r": "\xff"}'), {}, ["not valid JSON"]),
+    "config_not_utf8": (write("adapter_config.json", b'{"r": "\xff"}'), {}, ["not UTF-8"]),
     "config_not_object": (write("adapter_config.json", b"[1, 2]"), {}, ["JSON list, not an object"]),
     "not_lora": (lambda d: edit_config(d, peft_type="LOHA"), {}, ["peft_type is 'LOHA'", "only LoRA"]),
     "pickle_only": (pickle_only, {}, ["pickle", "'adapter_model.bin'", "never loads", "safetensors"]),
@@ -226,11 +242,12 @@ REFUSALS = {
     "trainable_tokens": (lambda d: edit_config(d, trainable_token_indices=[3, 4]), {}, ["trainable_token_indices"]),
     "pissa": (lambda d: edit_config(d, init_lora_weights="pissa"), {}, ["'pissa'", "rewrites the base weights"]),
     "unknown_option": (lambda d: edit_config(d, use_magic=True), {}, ["'use_magic'", "does not know"]),
-    "config_too_large": (write("adapter_config.json", b" " * (2 << 20) + b"{}"), {}, ["over 1 MiB"]),
+    "config_too_large": (write("adapter_config.json", b" " * (2 << 20) + b"{}"), {},
+                         ["adapter_config.json' is 2,097,154 bytes, more than the 1,048,576 allowed"]),
     "scaled_overflow": (lambda d: edit_config(d, lora_alpha=1e300), {}, ["overflows float32 once scaled"]),
     "r_not_int": (lambda d: edit_config(d, r="4"), {}, ["r is '4'", "positive integer"]),
     "alpha_nan": (write("adapter_config.json", b'{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}'), {},
-                  ["lora_alpha is 'nan'", "finite"]),
+                  ["lora_alpha is nan", "finite"]),
     "rank_above": (lambda d: None, {"rank": 2}, ["adapter rank 4", "LoRA rank 2", "--lora-rank 4"]),
     "rank_pattern_above": (lambda d: edit_config(d, rank_pattern={"q_proj": 16}), {}, ["--lora-rank 16"]),
     "regex_pattern": (lambda d: edit_config(d, rank_pattern={".*q_proj": 2}), {},
@@ -256,7 +273,25 @@ REFUSALS = {
         (d / "adapter_model.safetensors").read_bytes()[:-100]), {}, ["corrupt or truncated"]),
     "huge_header": (write("adapter_model.safetensors", (1 << 40).to_bytes(8, "little") + b"{}"), {},
                     ["header", "truncated or not safetensors"]),
-    "duplicate_tensor_name": (duplicate_header_key, {}, ["corrupt header", "duplicate key"]),
+    "duplicate_tensor_name": (duplicate_header_key, {}, ["header of LoRA adapter file", "duplicate key", "corrupt"]),
+    # hostile JSON: nesting that would overflow the parser's recursion (one line, not RecursionError)
+    "config_deeply_nested": (write("adapter_config.json", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000), {},
+                             ["adapter_config.json", "nests deeper than"]),
+    "config_deep_list": (write("adapter_config.json", b"[" * 5000 + b"]" * 5000), {},
+                         ["adapter_config.json", "nests deeper than"]),
+    "header_deeply_nested": (lambda d: write_header(d, b"[" * 5000 + b"]" * 5000), {},
+                             ["adapter_model.safetensors", "nests deeper than"]),
+    "header_deep_value": (lambda d: write_header(d, b'{"__metadata__": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3001),
+                          {}, ["adapter_model.safetensors", "nests deeper than"]),
+    # headers bounded by what an adapter for this model can hold (28 tensors: 2 layers x 7
+    # projections x A, B) before a byte of them is parsed: a sparse 64 MB header, and real ones of
+    # 20,000 well-formed entries (the issue's had 1.4M) and of one huge __metadata__
+    "header_over_bound": (sparse_header(64_000_000), {}, ["64,000,000-byte header", "at most 28 LoRA tensors"]),
+    "header_many_entries": (lambda d: write_header(d, json.dumps(
+        {f"{Q0}A.weight".replace("layers.0", f"layers.{i}"): {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+         for i in range(20_000)}).encode()), {}, ["-byte header", "at most 28 LoRA tensors"]),
+    "header_huge_metadata": (lambda d: write_header(d, json.dumps({"__metadata__": {"x": "y" * (1 << 20)}}).encode()),
+                             {}, ["-byte header", "at most 28 LoRA tensors"]),
 }
 
 
@@ -274,6 +309,84 @@ def test_refused(plain, tmp_path, case):
     for word in words:
         assert word in message, (word, message)
     assert not (d / "UNPICKLED").exists()
+
+
+def within(seconds: float, fn, *args, unblock=None):
+    """``fn(*args)``'s result or exception, failing the test if it is still running after
+    ``seconds`` (then ``unblock()`` frees the stuck thread, e.g. by opening a FIFO's other end)."""
+    box = {}
+
+    def call():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        if unblock is not None:
+            unblock()
+        worker.join(5)
+        pytest.fail(f"{getattr(fn, '__name__', fn)} was still running after {seconds} s (blocked)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def open_fifo_writer(path: Path):
+    """Open and close a FIFO's write end: a reader blocked opening it returns and reads EOF."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def special(kind: str):
+    """Put a FIFO, a link to /dev/zero or a directory in a file's place."""
+    def change(target: Path):
+        target.unlink()
+        if kind == "fifo":
+            os.mkfifo(target)
+        elif kind == "dev_zero":
+            target.symlink_to("/dev/zero")
+        else:
+            target.mkdir()
+    return change
+
+
+SPECIAL = {"fifo": "a FIFO, not a regular file", "dev_zero": "a device, not a regular file",
+           "directory": "a directory, not a regular file"}
+
+
+@pytest.mark.parametrize("file", ["adapter_config.json", "adapter_model.safetensors"])
+@pytest.mark.parametrize("kind", list(SPECIAL))
+def test_special_files_are_refused_without_blocking(plain, tmp_path, file, kind):
+    """Every file of an adapter is opened without blocking and must be a regular file: a FIFO
+    (a plain open() waits for a writer forever), a link to /dev/zero (reads without end) or a
+    directory in a file's place is one line naming the file and what it is."""
+    d = tmp_path / "adapter"
+    shutil.copytree(plain[0], d)
+    special(kind)(d / file)
+    with pytest.raises(GraphkilnError) as err:
+        within(10, read_peft_adapter, d, TARGETS, RANK, LAYERS, unblock=lambda: open_fifo_writer(d / file))
+    message = str(err.value)
+    assert file in message and SPECIAL[kind] in message and "\n" not in message, message
+    assert "no adapter_model.safetensors" not in message
+
+
+@pytest.mark.parametrize("make", [
+    lambda root: root / ("x" * 300),  # one name over the file system's 255
+    lambda root: root.joinpath(*["d" * 200] * 25),  # a path over PATH_MAX (4096)
+    lambda root: root / ("x" * 300) / "adapter",  # the long name above the adapter's own
+])
+def test_over_long_paths_are_one_line(tmp_path, make):
+    path = make(tmp_path)
+    with pytest.raises(GraphkilnError) as err:
+        read_peft_adapter(path, TARGETS, RANK, LAYERS)
+    message = str(err.value)
+    assert "too long" in message and len(message) < 600 and "\n" not in message, message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,9 +474,9 @@ def test_unload_refused_while_acquired(plain):
     assert held == [slot, slot] and pool.refs(slot) == 2
     with pytest.raises(GraphkilnError) as err:
         pool.unload("a")
-    assert "'a' is in use by 2 running request(s)" in str(err.value)
+    assert "'a' is in use by 2 queued or running request(s)" in str(err.value)
     pool.release(slot)
-    with pytest.raises(GraphkilnError, match="in use by 1 running"):
+    with pytest.raises(GraphkilnError, match="in use by 1 queued or running"):
         pool.unload("a")
     pool.release(slot)
     pool.unload("a")
@@ -387,6 +500,38 @@ def test_acquire_base_and_names(plain):
         pool.load("bad\nname", plain[0])
     with pytest.raises(GraphkilnError, match=r"no LoRA adapter named 'x' is loaded \(loaded: 'a'\)"):
         pool.acquire("x")
+
+
+# names clients send as ``model``: the CLI's --lora NAME, the route's lora_name and the pool
+# share one rule (1-256 printable characters, no surrounding whitespace)
+BAD_NAMES = ["", " a", "a ", "\u00a0a", "a\u3000", "\tab", "a\nb", "a\x1b[31m", "a\u2028b", "x" * 257, 7, None]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=range(len(BAD_NAMES)))
+def test_unusable_names_are_refused(plain, name):
+    pool = AdapterPool(TARGETS, RANK, max_loras=1)
+    with pytest.raises(GraphkilnError) as err:
+        pool.load(name, plain[0])
+    message = str(err.value)
+    assert "not a usable" in message and "\n" not in message and "\x1b" not in message, message
+    assert pool.names() == []
+
+
+@pytest.mark.parametrize("shape", [
+    dict(max_loras=256, rank=64, features=1 << 20, layers=1),  # --max-loras: 257 slots
+    dict(max_loras=2, rank=1 << 16, features=1 << 16, layers=4),  # a huge rank
+    dict(max_loras=4, rank=256, features=8192, layers=1 << 12),  # many targets
+])
+def test_stacks_larger_than_memory_are_refused(shape):
+    """The stacks are (max_loras + 1) x rank x sum(in + out) x 4 bytes: estimated and checked
+    against available memory before they are allocated, one line naming the figure and the flag."""
+    targets = [LoraTarget(layer, "q_proj", shape["features"], shape["features"]) for layer in range(shape["layers"])]
+    with pytest.raises(GraphkilnError) as err:
+        AdapterPool(targets, shape["rank"], shape["max_loras"])
+    message = str(err.value)
+    want = (shape["max_loras"] + 1) * shape["rank"] * 2 * shape["features"] * shape["layers"] * 4
+    assert f"needs about {want / 2**30:.2f} GiB" in message, message
+    assert f"{shape['max_loras'] + 1} slots" in message and "--max-loras" in message and "--lora-rank" in message
 
 
 def test_refused_adapter_changes_nothing(plain, tmp_path):

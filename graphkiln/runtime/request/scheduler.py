@@ -261,6 +261,12 @@ class Scheduler:
                 r.finish_reason = "length"
                 handle._deliver([TokenEvent(index, NO_TOKEN, "", None, "length")], True)
                 return handle
+            # the adapter is held from here on, not only once admitted: while the request waits,
+            # its adapter is neither unloaded (refused) nor evicted by a load (runtime.lora.pool)
+            if not self._batch._acquire_adapter(r):  # unloaded since resolve() checked it
+                if r.constraint is not None:
+                    r.constraint.close()
+                raise r.error
             self._waiting.append(r)
             self._cond.notify_all()
         return handle
@@ -309,6 +315,7 @@ class Scheduler:
             self._waiting.clear()
         for r in queued:
             finish_cancelled(r)
+            self._batch._release_adapter(r)  # held since submit
             self._hand_over(r)
 
     def _loop(self) -> None:
@@ -347,6 +354,8 @@ class Scheduler:
             with self._lock:
                 self._stopping = True  # also after a bug ended the loop: submit must not queue for no one
                 rest = list(self._waiting) + list(b.rows)
+                for r in self._waiting:
+                    b._release_adapter(r)  # held since submit
                 self._waiting.clear()
                 b.release_all()
             for r in rest:
