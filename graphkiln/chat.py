@@ -23,9 +23,12 @@ Input, one line a user turn:
   SIGINT while a reply streams cancels it here too; while a line is read it ends the command.
 
 ``/reset`` forgets the conversation (``--system`` stays), ``/exit`` or end of input leaves with
-status 0, ``//text`` sends ``/text``; any other line starting with ``/`` is refused as an
-unknown command (a notice on a terminal, an error otherwise), so a mistyped command never
-reaches the model.
+status 0, ``//text`` sends ``/text``; any other line starting with ``/`` is refused (a notice on
+a terminal, an error otherwise): a command given arguments (it takes none) or an unknown
+command, so a mistyped command never reaches the model. A line is at most ``MAX_LINE_BYTES``:
+a longer one (with or without its newline) is refused after reading that much of it, never
+read whole; and a turn whose template renders no tokens is refused, never sent as a prompt of
+none.
 
 A cancelled reply is kept in the conversation, cut where it was cancelled: what the user saw is
 what the model said (as chat front ends that stop a reply keep it), the next turn's prompt still
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 from graphkiln.errors import GraphkilnError
 from graphkiln.publish import Interrupted, forget_interrupts
 from graphkiln.runtime.request.chat_template import ChatTemplate
+from graphkiln.untrusted import show
 
 if TYPE_CHECKING:
     from graphkiln.runtime import Engine, GenerationConfig
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
 PROMPT = "> "
 HINT = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 COMMANDS = ("/reset", "/exit")
+MAX_LINE_BYTES = 1 << 20  # a message; tokenizing costs ~100x its size in memory, and 1 MiB outgrows most contexts
 
 
 def load_template(engine: Engine) -> ChatTemplate:
@@ -154,18 +159,18 @@ def run_chat(engine: Engine, template: ChatTemplate, config: GenerationConfig, s
         if not text:
             continue
         if text.startswith("/") and not text.startswith("//"):
-            if text == "/exit":
-                return 0
-            if text == "/reset":
-                conversation.reset()
-                if interactive:
-                    _notice("(conversation reset)")
+            command, *arguments = text.split(maxsplit=1)
+            refusal = _command_refusal(command, arguments)
+            if refusal is not None:
+                if not interactive:
+                    raise GraphkilnError(f"line {number} of standard input: {refusal}")
+                _notice(refusal)
                 continue
-            unknown = (f"unknown command {text.split()[0]!r}: the commands are {', '.join(COMMANDS)}; start a "
-                       "message with // to send one beginning with /")
-            if not interactive:
-                raise GraphkilnError(f"line {number} of standard input: {unknown}")
-            _notice(unknown)
+            if command == "/exit":
+                return 0
+            conversation.reset()
+            if interactive:
+                _notice("(conversation reset)")
             continue
         if text.startswith("//"):
             text = text[1:]
@@ -178,6 +183,16 @@ def run_chat(engine: Engine, template: ChatTemplate, config: GenerationConfig, s
     if interactive:
         print(flush=True)  # Ctrl-D leaves the cursor after the prompt: the shell's starts on a fresh line
     return 0
+
+
+def _command_refusal(command: str, arguments: list[str]) -> str | None:
+    """Why a line starting with one ``/`` (``command`` its first word) is no command, or None."""
+    if command not in COMMANDS:
+        return (f"unknown command {show(command)}: the commands are {', '.join(COMMANDS)}; start a message with // "
+                "to send one beginning with /")
+    if arguments:
+        return f"{command} takes no arguments (got {show(arguments[0])}): type {command} alone"
+    return None
 
 
 def _turn(engine: Engine, template: ChatTemplate, config: GenerationConfig, conversation: Conversation, text: str,
@@ -241,21 +256,30 @@ def _terminal_lines() -> Iterator[tuple[int, str]]:
         except UnicodeDecodeError:
             _notice("that line is not UTF-8 text: type it again (check the terminal's encoding)")
             continue
+        if len(line.encode("utf-8", "surrogatepass")) > MAX_LINE_BYTES:
+            _notice(f"that line is over {MAX_LINE_BYTES} bytes: send a shorter message")
+            continue
         number += 1
         yield number, line
 
 
 def _piped_lines(stdin: TextIO) -> Iterator[tuple[int, str]]:
     """Lines of a non-terminal stdin, numbered from 1, decoded as UTF-8 whatever the locale (a line
-    that is not: GraphkilnError naming it). Read one at a time: a reply is printed before the next
-    line is read, so a program on the other end of two pipes can converse."""
+    that is not, or is over ``MAX_LINE_BYTES``: GraphkilnError naming it, at most that much of it
+    read). Read one at a time: a reply is printed before the next line is read, so a program on
+    the other end of two pipes can converse."""
     raw = getattr(stdin, "buffer", None)
     number = 0
     while True:
-        line = raw.readline() if raw is not None else stdin.readline()
+        # one byte over the bound tells a line at the bound (its newline read) from a longer one
+        line = raw.readline(MAX_LINE_BYTES + 1) if raw is not None else stdin.readline(MAX_LINE_BYTES + 1)
         if not line:
             return
         number += 1
+        body = line[:-1] if line[-1:] in (b"\n", "\n") else line
+        if len(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")) > MAX_LINE_BYTES:
+            raise GraphkilnError(f"line {number} of standard input is over {MAX_LINE_BYTES} bytes: send shorter "
+                                 "messages (chat takes one message a line)")
         if isinstance(line, bytes):
             try:
                 line = line.decode("utf-8")

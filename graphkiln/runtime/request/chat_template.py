@@ -16,22 +16,44 @@ Lifecycle: ``ChatTemplate.load`` runs once (at server start, or when the chat co
 its engine) and never raises for a missing or broken template; ``render`` then refuses with
 ``ChatTemplateError`` (the server's 400), so the completions route keeps working on an artifact
 without a usable template. ``problem`` is None exactly when ``template`` is usable.
+``ChatTemplate.from_source`` makes one from a template's text (export's check of what it copies).
+
+Bounds: ``render`` is the one way a template runs. It runs in a sandbox worker process
+(``graphkiln.runtime.request.template_sandbox``, where the reasons are) and takes at most
+``seconds`` (default ``RENDER_SECONDS``), the worker's memory bound and ``max_chars`` of output
+(default ``MAX_RENDER_CHARS``); past any of them it is one ``ChatTemplateError`` and the worker
+is killed, so a hostile template never pins the calling thread (a server's lane worker, the
+chat command) beyond ``seconds``, nor holds up the process's exit. Idle workers are kept for
+the next render (at most ``IDLE_WORKERS``) and killed at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.request import template_sandbox
 from graphkiln.runtime.request.tokenizer import Tokenizer
+from graphkiln.untrusted import show
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB; this only bounds what an artifact can make us compile
+RENDER_SECONDS = 2.0  # real templates render in milliseconds, an 8 MiB message in well under 0.1 s
+MAX_RENDER_CHARS = 1 << 24  # twice the largest request body; no artifact's context holds such a prompt
+SPAWN_SECONDS = 30.0  # a worker's start (python and jinja2 imported), outside the render's deadline
+IDLE_WORKERS = 4
+FIX = "fix or remove the artifact's chat template (chat_template.jinja, or chat_template in tokenizer_config.json)"
 
 
 class ChatTemplateError(GraphkilnError):
@@ -93,54 +115,153 @@ class ChatTemplate:
             tokenizer = Tokenizer(artifact_dir / "tokenizer.json")
         if tokenizer is None and problem is None:
             problem = "it has no tokenizer.json to encode the rendered prompt"
-        template = None
-        if problem is None:
+        bos, eos = _special(config.get("bos_token")), _special(config.get("eos_token"))
+        if problem is not None:
+            return cls(None, problem, bos, eos, tokenizer)
+        return cls.from_source(source, tokenizer, bos, eos)
+
+    @classmethod
+    def from_source(cls, source: str, tokenizer: Tokenizer | None = None, bos_token: str = "",
+                    eos_token: str = "") -> "ChatTemplate":
+        """The template whose text is ``source``, compiled in the sandbox (``problem`` says why not)."""
+        template, problem = None, None
+        if len(source.encode("utf-8", "surrogatepass")) > MAX_TEMPLATE_BYTES:
+            problem = f"its chat template is over {MAX_TEMPLATE_BYTES} bytes"
+        else:
             try:
-                template = _environment().from_string(source)
+                template = template_sandbox.environment().from_string(source)
             except Exception as exc:  # jinja2.TemplateSyntaxError and anything else a hostile template triggers
                 problem = f"its chat template does not compile ({type(exc).__name__}: {_one_line(exc)})"
-        return cls(template, problem, _special(config.get("bos_token")), _special(config.get("eos_token")), tokenizer,
-                   source if template is not None else None)
+        return cls(template, problem, bos_token, eos_token, tokenizer, source if template is not None else None)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for ``messages`` with the assistant's turn opened."""
+    def render(self, messages: list[dict[str, Any]], *, seconds: float = RENDER_SECONDS,
+               max_chars: int = MAX_RENDER_CHARS) -> str:
+        """The prompt text for ``messages`` (JSON-like: dicts, lists, strings, numbers) with the
+        assistant's turn opened, rendered in a sandbox worker within ``seconds``, the worker's
+        memory bound and ``max_chars`` characters; anything else is one ``ChatTemplateError``."""
         if self.template is None:
             raise ChatTemplateError(f"this model has no usable chat template ({self.problem}): use /v1/completions "
                                     "with a prompt you format yourself, or export a checkpoint that has one")
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token, tools=None, documents=None)
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # a sandbox SecurityError, a TypeError inside the template, ...
-            raise ChatTemplateError(f"the chat template failed on these messages ({type(exc).__name__}: "
-                                    f"{_one_line(exc)}): check the roles and their order") from None
+        variables = dict(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                         eos_token=self.eos_token, tools=None, documents=None)
+        request = template_sandbox.encode_frame(dict(source=self.source, vars=variables, max_chars=max_chars,
+                                                     seconds=seconds))
+        # a reply is ASCII JSON: at most 12 bytes a character (an escaped surrogate pair), plus the frame
+        reply = _Worker.call(request, seconds, 12 * max_chars + 4096)
+        if reply == "late":
+            raise ChatTemplateError(f"the chat template did not finish rendering these messages in {seconds:g} s "
+                                    f"(it loops over too much, or without end): {FIX}")
+        if reply == "died" or not isinstance(reply, dict):
+            raise ChatTemplateError(f"the chat template's sandbox process ended while rendering these messages "
+                                    f"(out of memory or CPU time): {FIX}")
+        if isinstance(reply.get("text"), str):
+            return reply["text"]
+        if isinstance(reply.get("refused"), str):
+            raise ChatTemplateError(f"the chat template refused the messages: {_one_line(reply['refused'])}")
+        error = _one_line(reply.get("error"))
+        if reply.get("bound"):
+            raise ChatTemplateError(f"the chat template passed a bound on these messages ({error}): {FIX}")
+        raise ChatTemplateError(f"the chat template failed on these messages ({error}): check the roles and their "
+                                "order")
 
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt's token ids; the template already wrote any BOS, so none is added."""
-        return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        """The prompt's token ids, never none; the template already wrote any BOS, so none is added."""
+        text = self.render(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:  # the engine refuses an empty prompt too, but a batch of none is no refusal
+            raise ChatTemplateError(f"the chat template rendered these messages as no tokens ({show(text)}): {FIX}")
+        return ids
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300]
+def _one_line(exc) -> str:
+    """An untrusted text (a template's message, an error about it) as one quoted, clipped line."""
+    return show(" ".join(str(exc).split()), 300)
 
 
-def _raise_exception(message: str):
-    raise ChatTemplateError(f"the chat template refused the messages: {_one_line(Exception(message))}")
+class _Worker:
+    """One sandbox worker process (``template_sandbox`` run as a script), serving one render at a
+    time. Invariant: a worker in ``_idle`` is between requests (its last reply read in full);
+    one that was late, died, or passed a bound is killed, never reused."""
+
+    _idle: list["_Worker"] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        # a session of its own: the terminal's Ctrl-C is the parent's (it cancels a reply), and
+        # the parent kills this process whenever it is not wanted
+        self.proc = subprocess.Popen([sys.executable, "-I", template_sandbox.__file__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        if self._read(time.monotonic() + SPAWN_SECONDS, 64) != {"ready": True}:
+            self.kill()
+            raise ChatTemplateError(f"the chat template's sandbox process ({sys.executable} -I "
+                                    f"{template_sandbox.__file__}) did not start: check that this Python can run it "
+                                    "(jinja2 installed)")
+
+    @classmethod
+    def call(cls, request: bytes, seconds: float, limit: int) -> dict | str:
+        """The reply to ``request`` from an idle worker (or a new one), or "late" (no full reply
+        within ``seconds``) or "died" (it ended, or its reply frame is over ``limit`` bytes)."""
+        with cls._lock:
+            worker = cls._idle.pop() if cls._idle else None
+        if worker is None or worker.proc.poll() is not None:
+            worker = cls()
+        deadline = time.monotonic() + seconds
+        reply = "died"
+        try:
+            worker._write(request)
+            reply = worker._read(deadline, limit)
+        except (BrokenPipeError, ValueError):
+            reply = "died"
+        finally:
+            if isinstance(reply, dict) and not reply.get("bound"):
+                with cls._lock:
+                    if len(cls._idle) < IDLE_WORKERS:
+                        cls._idle.append(worker)
+                        worker = None
+            if worker is not None:
+                worker.kill()
+        return reply
+
+    def _write(self, data: bytes) -> None:
+        view, fd = memoryview(data), self.proc.stdin.fileno()
+        while view:
+            view = view[os.write(fd, view):]
+
+    def _read(self, deadline: float, limit: int) -> dict | str:
+        fd = self.proc.stdout.fileno()
+        poll = select.poll()  # not select(): a server's descriptors may be numbered past FD_SETSIZE
+        poll.register(fd, select.POLLIN)
+        buf, need = bytearray(), template_sandbox.HEADER.size
+        while len(buf) < need:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poll.poll(remaining * 1000):
+                return "late"
+            chunk = os.read(fd, min(need - len(buf), 1 << 20))
+            if not chunk:
+                return "died"
+            buf += chunk
+            if need == template_sandbox.HEADER.size and len(buf) == need:
+                (size,) = template_sandbox.HEADER.unpack(buf)
+                if size > limit:
+                    return "died"
+                need += size
+        try:
+            return json.loads(bytes(buf[template_sandbox.HEADER.size:]))
+        except ValueError:
+            return "died"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    @classmethod
+    def close_all(cls) -> None:
+        with cls._lock:
+            idle, cls._idle = cls._idle, []
+        for worker in idle:
+            worker.kill()
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-    # transformers' tojson (jinja2's escapes HTML, which would change the prompt)
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
-def _environment():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    # the options transformers renders chat templates with, so prompts match its apply_chat_template
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+atexit.register(_Worker.close_all)
