@@ -87,29 +87,48 @@ def _cli(*args, **kw) -> subprocess.CompletedProcess:
 
 
 def test_polygraphy_run_command_lines(lora_case, tmp_path):
-    """docs/tensorrt.md's CPU command lines: our feeds written for polygraphy, the tensorrt-target
-    graph run by ``polygraphy run --onnxrt`` with its outputs saved, then the onnxruntime-target
-    graph run and compared against them by polygraphy itself (logits: the present caches past a
-    row's end are not part of the contract). polygraphy's own random inputs do not make a valid
-    step (GroupQueryAttention refuses them), which is why the feeds exist."""
+    """docs/tensorrt.md's CPU command lines: our feeds written for polygraphy (one file for every
+    target's graph), the tensorrt-target graph run by ``polygraphy run --onnxrt`` with its
+    logits saved, then the onnxruntime-target graph run and compared against them by polygraphy
+    itself, every step passing (logits only: a present cache's rows past a row's end are not part
+    of the contract)."""
     from polygraphy.json import load_json
+
+    from graphkiln.trt_build.compare import main
 
     art = lora_case.artifact
     feeds = tmp_path / "feeds.json"
-    made = _cli(sys.executable, "-m", "graphkiln.trt_build.compare", "inputs", art, "-o", feeds)
-    assert made.returncode == 0, made.stderr
+    assert main(["inputs", str(art), "-o", str(feeds)]) == 0
     manifest = Manifest.read(art)
-    loaded = load_json(feeds)
-    assert [sorted(f) for f in loaded] == [sorted(f) for f in data_loader(manifest, decoder_graph(manifest),
-                                                                           feed_sizes(manifest))]
-    trt_graph = art / decoder_graph(manifest, "tensorrt").file
-    saved = _cli(POLYGRAPHY, "run", trt_graph, "--onnxrt", "--load-inputs", feeds, "--onnx-outputs", "logits",
-                 "--save-outputs", tmp_path / "tensorrt-graph.json")
+    names = {t.name for g in manifest.graphs for t in g.inputs}
+    assert [set(f) for f in load_json(feeds)] == [names] * len(STEPS)
+    saved = _cli(POLYGRAPHY, "run", art / decoder_graph(manifest, "tensorrt").file, "--onnxrt", "--load-inputs", feeds,
+                 "--onnx-outputs", "logits", "--save-outputs", tmp_path / "tensorrt-graph.json")
     assert saved.returncode == 0, saved.stdout[-2000:] + saved.stderr[-2000:]
     compared = _cli(POLYGRAPHY, "run", art / decoder_graph(manifest, "onnxruntime").file, "--onnxrt", "--load-inputs",
                     feeds, "--onnx-outputs", "logits", "--load-outputs", tmp_path / "tensorrt-graph.json",
                     "--atol", "1e-4", "--rtol", "1e-4")
     assert compared.returncode == 0, compared.stdout[-2000:] + compared.stderr[-2000:]
     assert f"Passed: {len(STEPS)}/{len(STEPS)} iterations" in compared.stdout + compared.stderr
-    random_inputs = _cli(POLYGRAPHY, "run", art / decoder_graph(manifest, "onnxruntime").file, "--onnxrt")
-    assert random_inputs.returncode != 0
+
+
+def test_the_command_refuses_in_one_line(llama_case, tmp_path, capsys):
+    """``python -m graphkiln.trt_build.compare``: what it cannot do is one ``error:`` line, exit 2,
+    nothing written: not an artifact, a target the artifact lacks, sizes the steps do not fit, an
+    engine build's sizes it refuses, and polygraphy with our plugins where TensorRT is missing."""
+    import importlib.util
+
+    from graphkiln.trt_build.compare import main
+
+    out = tmp_path / "feeds.json"
+    cases = [["inputs", tmp_path, "-o", out], ["inputs", llama_case.artifact, "-o", out, "--target", "tensorrt"],
+             ["inputs", llama_case.artifact, "-o", out, "--max-batch", "1"],
+             ["inputs", llama_case.artifact, "-o", out, "--max-seq-len", "100000"],
+             ["trt-shapes", llama_case.artifact]]  # a portable-only artifact: no tensorrt-target graph
+    if importlib.util.find_spec("tensorrt") is None:
+        cases.append(["polygraphy", "run", llama_case.artifact / "decoder.onnx", "--trt"])
+    for argv in cases:
+        assert main([str(a) for a in argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, (argv, err)
+        assert not out.exists()

@@ -32,8 +32,9 @@ compares outputs that came from elsewhere (a runtime's generations) with the sam
 
 Command line (``python -m graphkiln.trt_build.compare``):
   inputs ART -o FEEDS.json [--target T] [--max-batch B --max-seq-len L]
-      polygraphy's JSON input list (``polygraphy run ... --load-inputs FEEDS.json``) for the
-      artifact's decoder graph of target T (every target's graph takes the same list).
+      polygraphy's JSON input list (``polygraphy run ... --load-inputs FEEDS.json``): ``STEPS``
+      for every decoder graph of the artifact at once (polygraphy feeds each graph the inputs it
+      takes), or for the one of target T; sized to the artifact's engine when it has one.
   trt-shapes ART [--max-batch B --max-seq-len L]
       the ``--trt-min-shapes/--trt-opt-shapes/--trt-max-shapes`` arguments of the engine's
       prefill profile (``profiles.make_profiles``), for polygraphy building an engine itself.
@@ -56,9 +57,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.manifest import LORA_STACK_ROLES, GraphSpec, Manifest, TensorSpec
-
-INSTALL = "pip install 'graphkiln[tensorrt]' (polygraphy comes with it)"
+from graphkiln.manifest import LORA_STACK_ROLES, GraphSpec, Manifest
 
 # (atol, rtol) per graph dtype, polygraphy's elementwise rule: |a - b| <= atol or |a - b| <= rtol * |b|.
 # fp32 is loose because TensorRT may run fp32 matmuls in TF32 (10-bit mantissa); fp16/bf16 as
@@ -129,8 +128,9 @@ def decoder_graph(manifest: Manifest, target: str | None = None) -> GraphSpec:
 
 
 def step_feeds(manifest: Manifest, spec: GraphSpec, step: Step, sizes: FeedSizes, seed: int = 0) -> dict[str, np.ndarray]:
-    """One step's inputs for decoder graph ``spec``, by role (see the module docstring); the same
-    ``seed`` gives the same values for every target's graph of one artifact."""
+    """One step's inputs for decoder graph ``spec``, by role (see the module docstring),
+    deterministic per ``seed``; GraphkilnError for a step that does not fit ``sizes`` or an input
+    no decoder step has (a vision graph's)."""
     from graphkiln.runtime.backends.ort_cpu import numpy_dtype, total_sequence_length
     from graphkiln.runtime.prompt_layout import needed_roles, pack
 
@@ -145,13 +145,16 @@ def step_feeds(manifest: Manifest, spec: GraphSpec, step: Step, sizes: FeedSizes
     dims = {"batch": step.batch, "seq": step.seq, "n_logits": 1, "cache_len": sizes.cache_len, "slots": sizes.slots,
             "vision_rows": 0, "lora_rows": step.batch}
     roles = {t.role for t in spec.inputs}
+    stacks = [t.shape[0] for t in spec.inputs if t.role == "lora_a"]  # [adapter slots + 1, in, R]
+    adapters = max(stacks[0] - 1, 1) if stacks else 1
     by_role = {"input_ids": rng.integers(0, manifest.model.vocab_size, (step.batch, step.seq), dtype=np.int64),
                "position_ids": position_ids, "logits_index": (lengths - 1)[:, None], "seq_lens": lengths,
                "slot_idx": np.arange(step.batch, dtype=np.int64),
                "total_sequence_length": total_sequence_length(position_ids, lengths),
                "vision_scatter_indices": np.zeros(0, np.int64),
-               # every row on an adapter (slot 0 is "no adapter"): the LoRA branch runs
-               "lora_rows": np.arange(step.batch, dtype=np.int64), "lora_slots": np.zeros(step.batch, np.int64)}
+               # every row on an adapter, the slots in turn (slot 0 is "no adapter"): the LoRA branch runs
+               "lora_rows": np.arange(step.batch, dtype=np.int64),
+               "lora_slots": 1 + np.arange(step.batch, dtype=np.int64) % adapters}
     by_role.update(pack(needed_roles(roles), [None] * step.batch, starts, step.seq))
     feeds = {}
     for t in spec.inputs:
@@ -169,10 +172,6 @@ def step_feeds(manifest: Manifest, spec: GraphSpec, step: Step, sizes: FeedSizes
         else:
             raise GraphkilnError(f"graph {spec.file} input {t.name} ({t.role}) has no polygraphy feed: compare decoder "
                                  "graphs only")
-    if "lora_slots" in roles:
-        stacks = [t for t in spec.inputs if t.role == "lora_a"]
-        adapters = stacks[0].shape[0] - 1 if stacks else 1
-        feeds[next(t.name for t in spec.inputs if t.role == "lora_slots")] = 1 + np.arange(step.batch) % max(adapters, 1)
     return feeds
 
 
@@ -285,19 +284,19 @@ def compare_results(results: Mapping[str, Sequence[Mapping[str, np.ndarray]]], d
 
     atol, rtol = tolerance or TOLERANCES[dtype]
     keep = None if outputs is None else set(outputs)
-    run = RunResults()
+    run_results = RunResults()
     for runner, iters in results.items():
-        run.append((runner, [IterationResult({k: np.asarray(v) for k, v in it.items() if keep is None or k in keep},
-                                             runner_name=runner) for it in iters]))
+        run_results.append((runner, [IterationResult({k: np.asarray(v) for k, v in it.items() if keep is None or k in keep},
+                                                     runner_name=runner) for it in iters]))
     count = max((len(v) for v in results.values()), default=0)
     if count == 0:
         return Comparison((), atol, rtol)
     names = iterations or [str(i) for i in range(count)]
     with _quiet():
-        accuracy = Comparator.compare_accuracy(run, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol),
-                                               comparisons=[(0, i) for i in range(1, len(run))])
+        (accuracy,) = Comparator.compare_accuracy(  # one AccuracyResult per compare_func
+            run_results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol),
+            comparisons=[(0, i) for i in range(1, len(run_results))])
     diffs = []
-    (accuracy,) = accuracy  # one AccuracyResult per compare_func
     for (want, got), per_iteration in accuracy.items():
         for it_name, compared in zip(names, per_iteration):
             for output, r in compared.items():
@@ -397,8 +396,9 @@ def _dtype(manifest: Manifest) -> str:
 
 def _union_feeds(manifest: Manifest, specs: Sequence[GraphSpec], sizes: FeedSizes, steps: Sequence[Step],
                  seed: int) -> list[dict[str, np.ndarray]]:
-    """One feed list holding every graph's inputs (an input of one name is the same array in
-    each: same seed, same roles); ``compare`` hands each runner its own."""
+    """One feed list holding every graph's inputs (an input several graphs take is the first
+    graph's array, so every runner reads the same values); polygraphy hands each runner the
+    inputs its graph takes."""
     merged: list[dict[str, np.ndarray]] = [{} for _ in steps]
     for spec in specs:
         for out, feeds in zip(merged, data_loader(manifest, spec, sizes, steps, seed)):
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.add_argument("--max-seq-len", type=int)
         if name == "inputs":
             s.add_argument("-o", "--output", required=True, help="the JSON file polygraphy --load-inputs reads")
-            s.add_argument("--target", help="the decoder graph's target (default: the artifact's first graph)")
+            s.add_argument("--target", help="only this target's decoder graph (default: every decoder graph)")
     sub.add_parser("polygraphy", help="polygraphy's CLI with graphkiln's TensorRT plugins registered")
     args = p.parse_args(argv)
     try:
@@ -449,7 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from polygraphy.json import save_json
 
-        feeds = data_loader(manifest, decoder_graph(manifest, args.target), sizes)
+        specs = ([decoder_graph(manifest, args.target)] if args.target else
+                 [g for g in manifest.graphs if g.name == "decoder"] or [decoder_graph(manifest)])
+        feeds = _union_feeds(manifest, specs, sizes, STEPS, seed=0)
         save_json(feeds, args.output, description="graphkiln decoder steps: " + ", ".join(s.name for s in STEPS))
     except GraphkilnError as exc:
         print(f"error: {exc}", file=sys.stderr)
