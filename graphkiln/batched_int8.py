@@ -100,6 +100,27 @@ def read_tensor(root: Path, ref) -> np.ndarray:
     return np.frombuffer(data, dtype).reshape(ref.shape)
 
 
+# Deriving one weight holds float32 temporaries of its [K, N] elements: the dequantized weight, its
+# smoothed copy and two of quantize_per_channel's intermediates at once (4 x 4 bytes per element).
+WORKING_BYTES_PER_ELEMENT = 16
+# What stays per element: the int8 array, and onnxruntime's pre-packed copy of it (MatMulInteger
+# packs a constant B when the session is built, and the runtime keeps its arrays alive).
+KEPT_BYTES_PER_ELEMENT = 2
+
+
+def derived_bytes(spec) -> int:
+    """About the memory ``derived_weights`` of a ``manifest.BatchedGraphSpec`` and the session that
+    takes them hold at their peak, from the manifest's shapes alone (nothing read): every weight's
+    int8 ``Wq`` and its packed copy and ``c``, plus the largest weight's float32 temporaries while
+    it is derived. Exact Python ints: a manifest's huge shapes do not wrap."""
+    kept, largest = 0, 0
+    for d in spec.weights:
+        k, n = int(d.smooth.shape[0]), int(d.source.shape[0])
+        kept += k * n * KEPT_BYTES_PER_ELEMENT + n * 4
+        largest = max(largest, k * n)
+    return kept + largest * WORKING_BYTES_PER_ELEMENT
+
+
 def derived_weights(root: Path, spec) -> dict[str, np.ndarray]:
     """The initializers a ``manifest.BatchedGraphSpec``'s graph takes at load, by name: each
     weight's ``Wq`` and ``c``, computed from the blocks and ``s`` the manifest points at."""

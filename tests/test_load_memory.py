@@ -102,3 +102,104 @@ def test_plain_load_builds_only_the_decoder_session(int4_artifact, monkeypatch):
     built.clear()
     Engine.load(int4_artifact, batched_int8=True)
     assert built == ["decoder.onnx", "decoder.batched.onnx"]
+
+
+# --- refused before anything is built: what a load allocates, against the memory available ----------
+# Each case makes an artifact (or a flag) whose honest estimate exceeds this machine's real available
+# memory without using it: a sparse external data file (os.truncate: no disk), a manifest claiming
+# huge pools or derived weights, a budget flag. The refusal is one line naming the figure and the flag
+# that lowers it, and no onnxruntime session was built (nor any file hashed: the first file's recorded
+# checksum is wrong, so a load that hashed first would fail on it instead).
+
+HUGE = 10 * 10**12  # 10 TB: more than any machine running the suite has
+
+
+def _built_sessions(monkeypatch) -> list[str]:
+    """The graph files sessions are built over from now on (a spy: the real build still runs)."""
+    built = []
+    real = ort_cpu._build_session
+
+    def counting(ort, artifact_dir, graph_file, opts):
+        built.append(graph_file)
+        return real(ort, artifact_dir, graph_file, opts)
+
+    monkeypatch.setattr(ort_cpu, "_build_session", counting)
+    return built
+
+
+def _edit_manifest(art, edit) -> None:
+    import json
+
+    path = art / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _spoil_first_checksum(manifest: dict) -> None:
+    first = next(iter(manifest["files"]))
+    manifest["files"][first] = "0" * 64
+
+
+def _claim_huge_weights(art) -> None:
+    import os
+
+    data = max((p for p in art.iterdir() if p.name.endswith(".data")), key=lambda p: p.stat().st_size)
+    os.truncate(data, HUGE)  # sparse: the graph's tensors keep their bytes, the file claims 10 TB
+
+
+def _huge_pools(manifest: dict) -> None:
+    for state in manifest["states"]:
+        state["max_seq_len"] = 2**31 - 1  # 1 slot of the tiny Llama: 512 B/token x 2^31 = 1.1 TB
+
+
+def _huge_derived(manifest: dict) -> None:
+    weight = manifest["batched"][0]["weights"][0]
+    n = HUGE // weight["smooth"]["shape"][0]  # N: Wq [K, N] int8 is 10 TB
+    weight["source"]["shape"][0] = n
+    weight["source_scales"]["shape"] = [n, weight["source"]["shape"][1]]
+
+
+@pytest.mark.parametrize("case", ["weights", "prefix budget", "pools, default batch", "pools, --max-batch",
+                                  "batched int8", "draft"])
+def test_a_load_beyond_available_memory_is_refused_before_anything_is_built(case, llama_case, int4_artifact,
+                                                                              artifact_copy, tmp_path, capsys,
+                                                                              monkeypatch):
+    import shutil
+
+    from cli_contract import assert_one_error, run_cli
+    from graphkiln.memory import available_memory
+
+    assert available_memory() < HUGE
+    if case == "batched int8":
+        art = tmp_path / "int4"
+        shutil.copytree(int4_artifact, art)
+    else:
+        art = artifact_copy(llama_case)
+    command, extra = ["run", art, "--prompt-ids", "1,2"], []
+    if case == "weights":
+        _claim_huge_weights(art)
+        needles = ["the weights", "re-export with --quant int4"]
+    elif case == "prefix budget":
+        command, extra = ["serve", art, "--port", "0"], ["--prefix-cache-bytes", f"{HUGE >> 30}G"]
+        needles = ["prefix cache budget", "--prefix-cache-bytes"]
+    elif case.startswith("pools"):
+        _edit_manifest(art, _huge_pools)
+        command = ["serve", art, "--port", "0"]
+        if case.endswith("--max-batch"):
+            extra, needles = ["--max-batch", "4", "--step-tokens", "8"], ["4 request(s)", "--max-batch (now 4)"]
+        else:
+            needles = ["1 request(s) x 2147483647 tokens", "smaller --max-seq-len"]
+    elif case == "batched int8":
+        _edit_manifest(art, _huge_derived)
+        extra, needles = ["--batched-int8"], ["--batched-int8 derived weights", "drop --batched-int8"]
+    else:
+        draft = artifact_copy(llama_case, "draft")
+        _claim_huge_weights(draft)
+        extra, needles = ["--draft", draft], ["--draft model", "drop --draft"]
+    _edit_manifest(art, _spoil_first_checksum)
+    built = _built_sessions(monkeypatch)
+    code, out, err = run_cli(capsys, *command, *extra)
+    line = assert_one_error(code, err, "needs about", "GiB is available", *needles)
+    assert "sha256" not in line and out == ""
+    assert built == [], f"sessions were built before the refusal: {built}"

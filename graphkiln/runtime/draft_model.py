@@ -56,17 +56,34 @@ class DraftModel:
         tokenizer and vocabulary, one text decoder graph (not staged, vision-language or LoRA), run
         by onnxruntime on the CPU.
         Anything else is one GraphkilnError line naming the difference."""
+        return cls.open(*cls.read(artifact_dir, target), threads, check_files)
+
+    @staticmethod
+    def read(artifact_dir: str | Path, target: Manifest) -> tuple[Path, Manifest, str]:
+        """(root, manifest, its digest) of ``artifact_dir`` checked as a draft for ``target`` (see
+        ``load``) with nothing hashed or opened but the manifest and the graph protobufs: what
+        ``Engine.load`` needs to count the draft's memory before anything is built."""
         from graphkiln.artifact import check_artifact
-        from graphkiln.runtime.backends import open_backend
 
         root = Path(artifact_dir)
         if not root.is_dir():
             raise GraphkilnError(f"draft {root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root)
-        check_artifact(root, manifest, hash_files=check_files)
+        check_artifact(root, manifest, hash_files=False)
         problem = _mismatch(manifest, target)
         if problem:
             raise GraphkilnError(f"draft {root} cannot draft for this artifact: {problem}")
+        return root, manifest, digest
+
+    @classmethod
+    def open(cls, root: Path, manifest: Manifest, digest: str, threads: int | None = None,
+             check_files: bool = True) -> "DraftModel":
+        """The draft ``read`` checked: its files hashed (``check_files``), its session built."""
+        from graphkiln.artifact import verify_checksums
+        from graphkiln.runtime.backends import open_backend
+
+        if check_files:
+            verify_checksums(root, manifest)
         # its threads sleep between runs: spinning, they took the target's cores (measured on 2 cores: a
         # draft step 2.6x slower); the target's spin, which is what keeps its decode fast (sleeping: 0.7x)
         runner, pool = open_backend(root, manifest, "onnxruntime", "cpu", threads, manifest_digest=digest, spinning=False)

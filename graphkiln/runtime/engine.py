@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from graphkiln.artifact import check_artifact, is_sha256
+from graphkiln.artifact import check_artifact, is_sha256, verify_checksums
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import Manifest
 from graphkiln.threads import check_threads
@@ -114,7 +114,8 @@ class Engine:
              target: str | None = None, vision_cache_bytes: int = DEFAULT_CACHE_BYTES,
              distributed=None, prefix_cache: bool = True, prefix_cache_bytes: int | None = None,
              prefix_block_size: int = DEFAULT_BLOCK_SIZE, batched_int8: bool = False,
-             draft: str | Path | None = None, draft_cost: float | None = None) -> "Engine":
+             draft: str | Path | None = None, draft_cost: float | None = None,
+             slots: int | None = None) -> "Engine":
         """Open an artifact. The manifest is validated and every path in it must stay inside the
         artifact; ``check_files`` verifies every file's sha256 against the manifest;
         ``expected_digest`` (the sha256 of manifest.json, as ``graphkiln inspect`` prints it) pins
@@ -134,7 +135,16 @@ class Engine:
         artifact of the same tokenizer (a smaller or quantized model) whose drafts requests with
         ``GenerationConfig(speculative="draft[:K]")`` verify (``runtime.draft_model``); ``draft_cost``
         a draft step's cost relative to the target's (default: measured at load; 0 drafts whatever
-        it costs), which decides whether and how far drafting pays (``request.speculate``)."""
+        it costs), which decides whether and how far drafting pays (``request.speculate``).
+        ``slots``: how many requests of the artifact's full length the caller will hold at once (a
+        ``Scheduler``'s ``max_batch``; ``graphkiln serve`` passes its --max-batch, else 1), counted
+        in the memory check.
+
+        Memory: before any file is hashed or any session built, what the load will allocate (the
+        sessions' weights, the state pools of ``slots``, an explicit ``prefix_cache_bytes``, the
+        batched-step graph's derived weights, the draft's weights and pools) is compared with the
+        memory available (``check_load_memory``); more is one GraphkilnError line naming the figures
+        and the flags that lower them, never the OOM killer."""
         device = device or ("cuda" if backend == "tensorrt" else "cpu")
         check_choice(backend, device, target)
         if threads is not None and distributed is None:  # before the files are hashed (every session checks
@@ -151,14 +161,24 @@ class Engine:
         if not root.is_dir():
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
-        check_artifact(root, manifest, hash_files=check_files or expected_digest is not None)
-        drafter = None
+        check_artifact(root, manifest, hash_files=False)  # paths only: hashing reads every byte
+        drafted = None
         if draft is not None:
             from graphkiln.runtime.draft_model import DraftModel
 
-            drafter = DraftModel.load(draft, manifest, threads, check_files)
+            drafted = DraftModel.read(draft, manifest)
+        if draft is not None and draft_cost is not None:  # refused before anything is hashed or built
+            draft_cost = _draft_cost(draft_cost)
+        check_load_memory(root, manifest, backend=backend, device=device, target=target, distributed=distributed,
+                          prefix_cache_bytes=prefix_cache_bytes if prefix_cache else None,
+                          batched_int8=batched_int8, slots=slots, draft=drafted)
+        if check_files or expected_digest is not None:
+            verify_checksums(root, manifest)
+        drafter = None
+        if drafted is not None:
+            drafter = DraftModel.open(*drafted, threads, check_files)
             if draft_cost is not None:
-                drafter.cost = _draft_cost(draft_cost)
+                drafter.cost = draft_cost
         return cls(root, manifest, threads, manifest_digest=digest, backend=backend, device=device, target=target,
                    vision_cache_bytes=vision_cache_bytes, distributed=distributed, prefix_cache=prefix_cache,
                    prefix_cache_bytes=prefix_cache_bytes, prefix_block_size=prefix_block_size, batched_int8=batched_int8,
@@ -406,6 +426,71 @@ def _adapter_pool(manifest: Manifest, runner):
                        module_paths=manifest.lora.module_paths or None)
     runner.bind_adapters(pool)
     return pool
+
+
+def check_load_memory(root: Path, manifest: Manifest, *, backend: str = "onnxruntime", device: str = "cpu",
+                      target: str | None = None, distributed=None, prefix_cache_bytes: int | None = None,
+                      batched_int8: bool = False, slots: int | None = None, draft=None) -> None:
+    """Refuse in one line (``memory.require_memory``) a load whose allocations would not fit in the
+    memory available now: the CPU sessions' weights (``ort_cpu.session_file_bytes`` x
+    ``ort_cpu.LOAD_FACTOR``), ``slots`` state-pool slots of the artifact's full length, an explicit
+    prefix-cache budget, the batched-step graph's derived weights (``batched_int8.derived_bytes``)
+    and a draft (``DraftModel.read``'s triple: its weights and its pools beside the slots). The
+    message names each figure and the flag that lowers it, largest first. Called before any file
+    is hashed or any session built, with the artifact's paths already checked. Only onnxruntime on
+    this machine's CPU is counted: a GPU's weights live in its own memory, and a Ray stage checks
+    its own host (its pools when they are sized)."""
+    from graphkiln.memory import require_memory
+    from graphkiln.runtime.backends import ort_cpu
+    from graphkiln.runtime.backends.state import StatePool
+    from graphkiln.untrusted import show
+
+    if (backend, device) != ("onnxruntime", "cpu") or distributed is not None:
+        return
+    names = [s.graph for s in manifest.stages] if manifest.stages else ["decoder"]
+    specs = [manifest.graph(n, target) if target else manifest.graph_for(n, backend) for n in names]
+    if manifest.vision is not None:
+        specs.append(manifest.graph_for("vision", "onnxruntime"))
+    weights = ort_cpu.session_file_bytes(root, specs)
+    quantized = manifest.model.quant is not None
+    need = int(weights * ort_cpu.LOAD_FACTOR)
+    parts = [(need, f"the weights {_gib(need)} ({ort_cpu.LOAD_FACTOR} x {_gib(weights)} of graph files)",
+              "use a machine with more memory" if quantized else "re-export with --quant int4 (or --dtype fp16)")]
+    capacity = min(s.max_seq_len for s in manifest.states)
+    if _is_count(slots):
+        pools = StatePool(manifest.states, ort_cpu.numpy_dtype(manifest.states[0].dtype)).bytes_for(slots, capacity)
+        parts.append((pools, f"state pools for {slots} request(s) x {capacity} tokens {_gib(pools)}",
+                      f"pass a smaller --max-batch (now {slots})" if slots > 1 else
+                      "re-export with a smaller --max-seq-len"))
+    if _is_count(prefix_cache_bytes, 0):
+        parts.append((prefix_cache_bytes, f"the prefix cache budget {_gib(prefix_cache_bytes)}", "pass a smaller --prefix-cache-bytes"))
+    if batched_int8:
+        batched = next((b for b in manifest.batched if (b.graph, b.target) == (specs[0].name, specs[0].target)), None)
+        if batched is not None:
+            from graphkiln.batched_int8 import derived_bytes
+
+            derived = derived_bytes(batched)
+            parts.append((derived, f"the --batched-int8 derived weights {_gib(derived)}", "drop --batched-int8"))
+    if draft is not None:
+        draft_root, draft_manifest, _ = draft
+        draft_weights = ort_cpu.session_file_bytes(draft_root, [draft_manifest.graph_for("decoder", "onnxruntime")])
+        need = int(draft_weights * ort_cpu.LOAD_FACTOR)
+        if _is_count(slots):
+            dtype = ort_cpu.numpy_dtype(draft_manifest.states[0].dtype)
+            need += StatePool(draft_manifest.states, dtype).bytes_for(
+                slots, min([capacity] + [s.max_seq_len for s in draft_manifest.states]))
+        parts.append((need, f"the --draft model {show(str(draft_root))} {_gib(need)}", "drop --draft or pass a smaller draft"))
+    parts.sort(key=lambda p: -p[0])
+    what = f"loading the artifact {show(str(root))} ({', '.join(label for _, label, _ in parts)})"
+    require_memory(sum(n for n, _, _ in parts), what, "; ".join(dict.fromkeys(r for n, _, r in parts if n)))
+
+
+def _is_count(value, least: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _draft_cost(value) -> float:

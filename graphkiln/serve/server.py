@@ -183,7 +183,8 @@ def serve(cfg: ServeConfig) -> int:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
                              prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8,
-                             draft=cfg.draft, draft_cost=cfg.draft_cost)
+                             draft=cfg.draft, draft_cost=cfg.draft_cost,
+                             slots=cfg.max_batch or 1)  # the scheduler's pool, counted before the load
         adapters = load_adapters(engine, cfg.lora, name)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:

@@ -92,6 +92,40 @@ def cpu_session(artifact_dir: Path, spec: GraphSpec, threads: int | None = None,
     return session
 
 
+# Engine.load's memory check counts each session's files at this factor: measured on the 8B int4
+# artifact (scripts/bench_load_scale.py, docs/benchmarks.md), RSS after load is 1.19x the bytes of
+# the files its session reads (onnxruntime's packed copies, its arena, the interpreter). The peak
+# during load, 1.45x, also counts artifact pages read through the file mapping: clean file pages,
+# which the kernel reclaims before it kills anything (and _build_session drops afterwards).
+LOAD_FACTOR = 1.2
+
+
+def session_file_bytes(artifact_dir: Path, specs) -> int:
+    """The bytes onnxruntime reads to build CPU sessions over the graphs ``specs``: each graph
+    file and every external data file it names, each file once (a multi-target artifact's graphs
+    share one data file), by its size on disk; nothing is read but the graph protobufs. A batched
+    graph's derived weights are made in memory, not read (``batched_int8.derived_bytes``).
+    Paths must already be checked to stay inside the artifact (``artifact.check_artifact``)."""
+    import os
+
+    from graphkiln.artifact import graph_external_data
+    from graphkiln.batched_int8 import DERIVED_LOCATION
+    from graphkiln.manifest import artifact_file
+
+    files = set()
+    for spec in specs:
+        files.add(spec.file)
+        files.update(rel for rel, location in graph_external_data(artifact_dir, spec.file).items()
+                     if location != DERIVED_LOCATION)
+    total = 0
+    for rel in files:
+        try:
+            total += os.stat(artifact_file(artifact_dir, rel)).st_size
+        except OSError:
+            pass  # a missing file is reported where it is opened
+    return total
+
+
 _BUILDING = threading.Lock()  # one session built at a time in this process: see _build_session
 
 

@@ -162,6 +162,11 @@ class StatePool(PackedSlots):
                     shapes[spec.kind, layer] = (slots, *spec.slot_shape())
         return shapes
 
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        """The bytes of this pool's buffers at ``slots`` x ``capacity`` tokens, allocating nothing
+        (exact Python ints: a huge manifest value does not wrap)."""
+        return sum(math.prod(shape) for shape in self._shapes(slots, capacity).values()) * self.dtype.itemsize
+
     def _check_memory(self, slots: int, capacity: int) -> None:
         """Refuse a size whose new backing memory exceeds what is available (exact Python
         ints: a huge manifest value must not overflow into a small number)."""
