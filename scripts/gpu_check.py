@@ -36,7 +36,9 @@ step in fp16, the kernels dtype by dtype, the graph step in bf16, TensorRT):
                in onnxruntime step by step through polygraphy (``graphkiln.trt_build.compare``:
                polygraphy's TrtRunner and OnnxrtRunner, its Comparator) and greedy generation
                of ``Engine.load(ART, backend="tensorrt")`` with the CPU ``Engine.load(ART)``
-               (tokens; logits before the first divergence by polygraphy's comparator).
+               (tokens; logits before the first divergence by polygraphy's comparator). Its
+               "max error" is polygraphy's max |difference| and its tolerance the atol of
+               ``compare.TOLERANCES`` (an element passes within atol or rtol).
                Otherwise one row: "skipped: TensorRT not installed".
 
 Exit status: 0 when every row that ran passed, 1 when any failed or was cut by ``--budget``,
