@@ -214,3 +214,59 @@ def test_malformed_or_conflicting_constraints_are_400s(srv, client, extra, param
     r = srv.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4, **extra})  # the other route
     assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
     srv.wait_idle()
+
+
+def test_hostile_constraints_are_400s_and_the_server_lives(srv, client):
+    """Constraints past the bounds (constraint.MAX_CHARS: the issue's 5,000-$ref schema of 178 KB, a
+    huge enum, regex or Lark text, JSON nested past 200) are 400s naming the field; a chain within
+    them (the issue's 3,000-rule Lark chain, which once killed the server with SIGSEGV) is built and
+    served, and the server goes on answering."""
+    refs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)} | {"d5000": {"type": "integer"}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": {"$ref": "#/$defs/d0", "$defs": refs}}}
+    refused = [({"response_format": fmt}, "response_format.json_schema.schema", "is more than the 131,072"),
+               ({"guided_json": {"enum": [f"v{i}" for i in range(30000)]}}, "guided_json", "is more than the"),
+               ({"guided_json": '{"items":' * 300 + "{}" + "}" * 300}, "guided_json", "nests deeper than 200"),
+               ({"guided_regex": "|".join(f"w{i}" for i in range(20000))}, "guided_regex", "is more than the 65,536"),
+               ({"guided_grammar": 'start: "a"\n' + "// padding\n" * 7000}, "guided_grammar", "is more than the")]
+    for extra, param, words in refused:
+        r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 4, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_response_format"), err
+        assert err["message"].startswith(param + ":") and words in err["message"], err
+    lark = "start: r0\n" + "".join(f'r{i}: "(" r{i + 1} ")"\n' for i in range(3000)) + 'r3000: "x"\n'
+    r = client.completions.create(model=MODEL, prompt="a", max_tokens=3, temperature=0,
+                                  extra_body={"guided_grammar": lark})
+    assert r.choices[0].text == "(((" and r.choices[0].finish_reason == "length", r.choices[0]
+    test_lark_grammar(client)
+
+
+def test_special_token_text_is_written_as_text(client):
+    """A constraint whose text holds the end-of-sequence text (this tokenizer's "</s>") once failed
+    at its first token (a 500, or 200 and an error event streamed): it is written as text."""
+    for extra, want in (({"guided_regex": "</s>"}, "</s>"),
+                        ({"response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "end", "schema": {"const": "</s>"}}}}, '"</s>"')):
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0, extra_body=extra)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop"), r.choices[0]
+        stream = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0, stream=True,
+                                                extra_body=extra)
+        assert "".join(c.delta.content or "" for chunk in stream for c in chunk.choices) == want
+
+
+def test_a_grammar_failing_mid_generation_is_a_400_not_a_500(srv):
+    """A regex that passes compilation but meets the grammar engine's limit a token or two in
+    (test_structured_output's) is the request's error: a 400 ``invalid_response_format`` naming the
+    field, or, once a stream has begun, that error as its event (not a 500 "server_error")."""
+    body = {"model": MODEL, "prompt": "data:", "max_tokens": 40, "temperature": 0,
+            "guided_regex": "[a-z]{1,3}a{1000000}"}
+    r = srv.post("/v1/completions", body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"], err["type"]) == (
+        "guided_regex", "invalid_response_format", "invalid_request_error"), (r.status_code, err)
+    assert err["message"].startswith("guided_regex: the grammar engine failed at generated token"), err
+    r = srv.post("/v1/completions", body | {"stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert events[-1]["error"]["code"] == "invalid_response_format", events[-1]
+    assert events[-1]["error"]["type"] == "invalid_request_error" and events[-1]["error"]["param"] == "guided_regex"
+    srv.wait_idle()

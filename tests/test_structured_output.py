@@ -115,3 +115,140 @@ def test_refusals_are_one_line(engine, llama_case):
         GenerationConfig(json_schema={"type": "object"}, regex="a")
     with pytest.raises(GraphkilnError, match="needs the artifact's tokenizer.json"):
         Engine.load(llama_case.artifact).generate([5, 6], GenerationConfig(regex="a+"))
+
+
+# -- hostile constraints ----------------------------------------------------------------------------
+
+
+def _names():
+    """Distinct short rule/definition names: a, b, ..., z, ba, ..."""
+    i = 0
+    while True:
+        n, name = i, ""
+        while True:
+            name, n = name + "abcdefghijklmnopqrstuvwxyz"[n % 26], n // 26
+            if not n:
+                break
+        yield name
+        i += 1
+
+
+def _lark_chain(limit: int) -> str:
+    """The deepest chain of bare Lark rules (``a:b``) in ``limit`` characters: the most native stack
+    per character of all shapes measured (constraint's module docstring)."""
+    names, first = _names(), None
+    lines, size = [], 0
+    name = first = next(names)
+    while True:
+        following = next(names)
+        line = f"{name}:{following}\n"
+        if size + len(line) + len(f'{following}:"x"\n') + len(f"start:{first}\n") > limit:
+            return f"start:{first}\n" + "".join(lines) + f'{name}:"x"\n'
+        lines.append(line)
+        size += len(line)
+        name = following
+
+
+def _ref_chain(count: int, body) -> dict:
+    names = list(zip(range(count + 1), _names()))
+    defs = {n: body({"$ref": f"#/$defs/{names[i + 1][1]}"}) for i, n in names[:-1]}
+    defs[names[-1][1]] = {"type": "integer"}
+    return {"$ref": f"#/$defs/{names[0][1]}", "$defs": defs}
+
+
+def _fitting(limit: int, body) -> dict:
+    """The longest ``_ref_chain`` whose compact JSON fits ``limit`` characters."""
+    lo, hi = 1, limit // 10
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(json.dumps(_ref_chain(mid, body), separators=(",", ":"))) <= limit else (lo, mid)
+    return _ref_chain(lo, body)
+
+
+_HOSTILE = r"""
+import json, sys
+from graphkiln.errors import GraphkilnError
+from graphkiln.runtime import Engine, GenerationConfig
+engine = Engine.load(sys.argv[1], threads=1)
+cases = json.load(open(sys.argv[2]))
+nested = {"type": "integer"}
+for _ in range(5000):
+    nested = {"type": "object", "properties": {"a": nested}, "required": ["a"]}
+cases.append(["a 5,000-deep schema as a dict", "json_schema", nested])
+for name, field, value in cases:
+    try:
+        engine.generate("x", GenerationConfig(max_new_tokens=2, **{field: value}))
+        print(json.dumps([name, "built"]), flush=True)
+    except GraphkilnError as exc:
+        print(json.dumps([name, str(exc)]), flush=True)
+"""
+
+
+def test_hostile_constraints_are_bounded_and_never_crash(tok_case, tmp_path):
+    """A grammar chain or $ref chain deeper than the native stack once killed the process inside
+    llguidance (SIGSEGV: the issue's 3,000-rule Lark chain). Now every constraint is bounded
+    (constraint.MAX_CHARS) and built on a stack sized against the bound: the deepest chains that
+    fit the bounds build, and anything longer, a schema too deep to serialize, or a huge enum or
+    regex is one GraphkilnError line. Run in a child process, so a crash is a failed test."""
+    import subprocess
+    import sys
+
+    from graphkiln.runtime.request.constraint import MAX_CHARS
+
+    lark = "start: r0\n" + "".join(f'r{i}: "(" r{i + 1} ")"\n' for i in range(3000)) + 'r3000: "x"\n'
+    refs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)} | {"d5000": {"type": "integer"}}
+    too_long = "is more than the"
+    cases = {  # name: (field, value, expected: "built" or a refusal's words)
+        "the issue's Lark chain of 3,000 rules": ("grammar", lark, "built"),
+        "bare Lark rules at the bound": ("grammar", _lark_chain(MAX_CHARS["grammar"]), "built"),
+        "bare Lark rules past the bound": ("grammar", _lark_chain(MAX_CHARS["grammar"] + 100), too_long),
+        "the issue's 5,000-$ref chain": ("json_schema", {"$ref": "#/$defs/d0", "$defs": refs}, too_long),
+        "an allOf $ref chain at the bound": ("json_schema", _fitting(MAX_CHARS["json_schema"],
+                                                                     lambda ref: {"allOf": [ref]}), "built"),
+        "a properties $ref chain at the bound": ("json_schema", _fitting(MAX_CHARS["json_schema"], lambda ref: {
+            "type": "object", "properties": {"a": ref}, "required": ["a"]}), "built"),
+        "a 5,000-deep schema as text": ("json_schema", '{"items":' * 5000 + "{}" + "}" * 5000, "nests deeper"),
+        "an enum of 20,000 values": ("json_schema", {"enum": [f"value{i}" for i in range(20000)]}, too_long),
+        "a regex of 20,000 alternatives": ("regex", "|".join(f"w{i}" for i in range(20000)), too_long),
+    }
+    (tmp_path / "cases.json").write_text(json.dumps([[n, f, v] for n, (f, v, _) in cases.items()]))
+    run = subprocess.run([sys.executable, "-c", _HOSTILE, str(tok_case.artifact), str(tmp_path / "cases.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+    outcomes = dict(json.loads(line) for line in run.stdout.splitlines())
+    expected = {n: e for n, (_, _, e) in cases.items()} | {"a 5,000-deep schema as a dict": "json_schema: not JSON"}
+    for name, want in expected.items():
+        got = outcomes[name]
+        assert (got == "built") if want == "built" else (want in got and "\n" not in got), (name, got)
+
+
+def test_special_token_text_is_written_as_text(engine):
+    """A constraint that forces the text of a special token (tok_case's end of sequence is "</s>",
+    its start "<s>") once made llguidance allow only that special token, which the grammar then
+    refused ("the grammar failed at token 2"). The text is written with ordinary tokens, as asked,
+    the special tokens never appear inside it, and the request stops as usual."""
+    cases = [(dict(regex="</s>"), "</s>"),
+             (dict(regex="[0-9]</s>"), None),
+             (dict(json_schema={"const": "</s>"}), '"</s>"'),
+             (dict(json_schema={"type": "object", "properties": {"end": {"const": "<s>x</s>"}}, "required": ["end"],
+                                "additionalProperties": False}), '{"end": "<s>x</s>"}'),
+             (dict(grammar='start: "<s>" NAME "</s>"\nNAME: /[a-z]{1,4}/'), None)]
+    for kwargs, want in cases:
+        r = engine.generate("x", dataclasses.replace(GREEDY, **kwargs))[0]
+        assert r.finish_reason == "stop", (kwargs, r)
+        assert r.text == want if want is not None else re.fullmatch(
+            kwargs.get("regex") or r"<s>[a-z]{1,4}</s>", r.text), (kwargs, r.text)
+        assert not set(r.token_ids[:-1]) & {0, 1, 2}, (kwargs, r.token_ids)  # special ids, bar the final EOS
+
+
+def test_a_grammar_that_fails_mid_generation_is_the_requests_error(engine):
+    """A regex can compile and pass the probe at submission yet meet the grammar engine's limit a
+    few tokens in (here after the first letters, on this model's path): it ends that request only,
+    with one line naming the request's field, as a refusal at submission does (the server then
+    answers 400 invalid_response_format, not 500)."""
+    for regex in ("[a-z]{1,3}a{1000000}", "x{0,30}y{70000}"):
+        with pytest.raises(GraphkilnError, match=r"^regex: the grammar engine failed at generated token \d+ "
+                                                r"\(.*\): simplify the regular expression$") as err:
+            engine.generate("data:", dataclasses.replace(GREEDY, regex=regex))
+        assert "\n" not in str(err.value) and type(err.value).__name__ == "GrammarFailed"  # the server's 400
+    assert engine.generate("x", dataclasses.replace(GREEDY, regex="[0-9]{3}"))[0].finish_reason == "stop"

@@ -85,6 +85,7 @@ from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, LaneFull, Lanes, chars_per_token_bound, min_tokens
 from graphkiln.runtime.request.chat_template import ChatTemplate, ChatTemplateError
+from graphkiln.runtime.request.constraint import GrammarFailed
 from graphkiln.serve.metrics import ServerMetrics
 
 log = logging.getLogger("graphkiln.serve")
@@ -707,6 +708,8 @@ async def _whole(state, group: _Group, arrived, shapes: list["_Shape"], watcher)
         if model != state.options.model_name and model not in state.adapter_names():
             # its LoRA adapter was unloaded while the request waited for a slot: as if never served
             raise ApiError(404, f"{exc}", param="model", code="model_not_found") from None
+        if isinstance(exc, GrammarFailed):  # the request's grammar failed, not the server
+            raise _refused_constraint(exc, shapes[0].req.constraints()[0]) from None
         raise ApiError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
     finally:
         watcher.cancel()
@@ -771,6 +774,10 @@ async def _sse(state, group: _Group, arrived, shapes: list["_Shape"], watcher) -
                 yield _data(chunk)
         if shapes[0].req.include_usage:
             yield _data(_merged([s.usage_chunk(h, n) for s, h, n in zip(shapes, group.handles, counts)]))
+    except GrammarFailed as exc:  # the request's grammar failed: its 400 as the error event
+        refused = _refused_constraint(exc, shapes[0].req.constraints()[0])
+        yield _data(S.ErrorBody(error=S.ErrorDetail(message=refused.message, type=refused.type, param=refused.param,
+                                                    code=refused.code)).model_dump())
     except GraphkilnError as exc:
         # the 200 and earlier chunks are already sent: the failure is an error event, then the end
         yield _data(S.ErrorBody(error=S.ErrorDetail(message=f"generation failed: {exc}", type="server_error",

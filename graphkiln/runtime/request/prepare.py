@@ -11,7 +11,6 @@ holds nothing. Shared by the two drivers of the step (``Engine``: one call's pro
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -76,7 +75,7 @@ class Preparer:
 
         self.grammars = Grammars(tokenizer.path if tokenizer is not None else None, manifest.model.vocab_size,
                                  manifest.generation.eos_token_ids)
-        self._compiled: dict[tuple[str, str], str] = {}
+        self._compiled: dict[tuple[str, str], object] = {}  # request.constraint.Grammar
         # speculative decoding (request.speculate): plain positions, and the CPU runner in this
         # process (whose rows may take several tokens onto a filled cache); slot states (conv,
         # recurrent) are snapshotted around a verification; drafts of a draft model need ``draft``
@@ -295,7 +294,7 @@ class Preparer:
         if found is None:
             return None
         field, value = found
-        key = (field, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+        key = (field, self.grammars.text(field, value))  # bounded, and a schema's key order kept (it is the output's)
         grammar = self._compiled.get(key)
         if grammar is None:
             if self.tokenizer is None:
