@@ -137,6 +137,122 @@ def test_bad_lines_and_overlong_conversations_are_one_error(capsys, monkeypatch,
     assert_one_error(code, err, "the conversation is", "at most 128", "/reset", alone=True)
 
 
+@pytest.mark.parametrize("stdin,needle", [
+    (b"a" * (10 << 20) + b"\n", "line 1 of standard input is over"),  # a 10 MB line
+    (b"hi\n" + b"a" * (10 << 20), "line 2 of standard input is over"),  # no newline at all
+    (b"\xff\xfe" * (5 << 20) + b"\n", "line 1 of standard input is over"),  # binary: bounded before decoding
+    (b"a" * (1 << 20) + b"\xe9\n", "line 1 of standard input is over"),  # one byte past the bound
+])
+def test_a_long_input_line_is_refused_after_reading_the_bound(capsys, monkeypatch, artifact, engine, template, stdin,
+                                                              needle):
+    """Piped input is read a bounded line at a time: a line over MAX_LINE_BYTES (1 MiB), however
+    it ends, is one error, and no more than the bound and a byte of it was read (a 10 MB line
+    was read whole, then rendered and tokenized at ~2 GB, before the conversation's length
+    refused it)."""
+    from graphkiln.chat import MAX_LINE_BYTES
+
+    first = _greedy(engine, template, [_user("hi")]) + "\n" if stdin.startswith(b"hi\n") else ""
+    raw = io.BytesIO(stdin)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(raw, encoding="utf-8"))
+    code, out, err = run_cli(capsys, "chat", artifact, *GREEDY)
+    assert out == first
+    assert_one_error(code, err, needle, f"{MAX_LINE_BYTES} bytes", alone=True)
+    assert raw.tell() <= len(b"hi\n") + MAX_LINE_BYTES + 1 + io.DEFAULT_BUFFER_SIZE
+
+
+@pytest.mark.parametrize("line,needles", [
+    (b"/reset extra", ("/reset takes no arguments (got 'extra')", "type /reset alone")),
+    (b"/exit now", ("/exit takes no arguments (got 'now')", "type /exit alone")),
+    (b"  /reset\tall of it ", ("/reset takes no arguments (got 'all of it')",)),
+    (b"/exit /reset", ("/exit takes no arguments (got '/reset')",)),
+    (b"/rset now", ("unknown command '/rset':", "the commands are /reset, /exit")),  # unknown, named alone
+])
+def test_a_command_given_arguments_is_refused_by_its_name(capsys, monkeypatch, artifact, engine, template, line,
+                                                          needles):
+    """Each command takes no arguments: one given some is refused as that command with those
+    arguments (it was "unknown command '/reset'"), the turn before it answered, nothing after."""
+    first = _greedy(engine, template, [_user("hi")])
+    code, out, err = _chat(capsys, monkeypatch, artifact, b"hi\n" + line + b"\nwho\n")
+    assert out == f"{first}\n"
+    assert_one_error(code, err, "line 2", *needles, alone=True)
+
+
+@pytest.mark.parametrize("source,command", [("", "chat"), ("{% if false %}x{% endif %}", "chat"),
+                                            ("{% for m in messages %}{% endfor %}", "run")])
+def test_a_template_rendering_no_tokens_is_one_error(capsys, monkeypatch, tok_case, artifact_copy, source, command):
+    """A template that renders these messages as nothing: chat refused it as run --chat and serve do
+    (it printed an empty reply for every line, status 0)."""
+    art = add_chat_template(artifact_copy(tok_case), source)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi\nagain\n")))
+    extra = ("--prompt", "hi", "--chat") if command == "run" else ()
+    code, out, err = run_cli(capsys, command, art, *extra, *GREEDY)
+    assert out == ""
+    assert_one_error(code, err, "rendered these messages as no tokens", "chat_template.jinja", alone=True)
+
+
+# -- the chat template's bounds (graphkiln/runtime/request/template_sandbox.py) ---------------------
+
+HOSTILE_TEMPLATES = [  # each either renders gigabytes, or takes minutes to hours, outside a bound
+    "{{ 'x' * 100000000 }}",
+    "{{ [0] * 1000000000 }}",
+    "{{ 10 ** 100000000 }}",
+    "{{ messages|tojson(indent=100000000) }}",
+    "{{ 'x'|center(1000000000) }}",
+    "{{ 'x'.ljust(1000000000) }}",
+    "{{ 'x'|indent(1000000000, true) }}",
+    "{{ '%9999999999d'|format(1) }}",
+    "{{ ('%(a)9999s' * 99999) % {'a': 1} }}",
+    "{{ '{:>1000000000}'.format(1) }}",
+    "{{ (range(99999)|batch(1)|list)|sum(start=[]) }}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% set r = range(99999) %}{% for i in r %}{% for j in r %}{{ '' }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for c in m['content'] %}{% for d in m['content'] %}{% endfor %}{% endfor %}{% endfor %}",
+    "{% for i in range(99999) %}{% for j in range(999) %}{{ 'abcdefghijklmnopqrstuvwxyz' }}{% endfor %}{% endfor %}",
+    "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{% macro f(n) %}{% if n < 6 %}{% for i in range(99) %}{{ f(n + 1) }}{% endfor %}{% endif %}{% endmacro %}{{ f(0) }}",
+]
+
+
+@pytest.mark.parametrize("source", HOSTILE_TEMPLATES)
+def test_a_hostile_template_is_one_error_within_its_bounds(template, source):
+    """The sweep of issue 37's resource bombs (multiplication, **, widths of tojson/center/indent/
+    format/%/str.format, sum over lists, nested loops over ranges and over a long message,
+    doubling, recursion, many small pieces): each is one ChatTemplateError within the deadline
+    (plus a worker's start), the parent process grows by no more than a few MB, and the next
+    render works. Before, each either allocated gigabytes in the caller or never returned."""
+    import resource
+
+    from graphkiln.runtime.request.chat_template import ChatTemplateError
+
+    hostile = ChatTemplate.from_source(source, template.tokenizer)
+    assert hostile.problem is None, hostile.problem  # compiling evaluates nothing
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as err:
+        hostile.render([_user("x" * 100_000)], seconds=0.5)
+    took = time.monotonic() - start
+    message = str(err.value)
+    assert "\n" not in message and "chat_template.jinja" in message, message
+    assert took < 0.5 + 5, (took, message)  # the deadline, and a new worker's start on a busy machine
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 << 10, message  # KiB
+    assert template.render([_user("hi")]) == "<s><|user|>hi</s><|assistant|>"
+
+
+def test_an_ordinary_render_is_exact_and_its_refusals_are_the_templates(template):
+    """What a template may do within its bounds is unchanged: a long message renders whole, the
+    template's raise_exception is its own message, a sandbox violation names itself."""
+    from graphkiln.runtime.request.chat_template import ChatTemplateError
+
+    long = "é\ud800" + "w" * (4 << 20)  # a lone surrogate, as a request's JSON may hold, survives
+    assert template.render([_user(long)]) == f"<s><|user|>{long}</s><|assistant|>"
+    refusing = ChatTemplate.from_source("{{ raise_exception('roles must alternate\n\\x1b[31m') }}")
+    with pytest.raises(ChatTemplateError, match=r"refused the messages: 'roles must alternate \\x1b\[31m'"):
+        refusing.render([_user("hi")])
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
+        ChatTemplate.from_source("{{ messages.append(1) }}").render([_user("hi")])
+
+
 def _without_tokenizer(art: Path) -> Path:
     """``art`` as an export of a checkpoint without tokenizer files writes it."""
     manifest = json.loads((art / "manifest.json").read_text())
