@@ -187,7 +187,7 @@ def test_float64_weights_are_converted(llama_case, checkpoint_copy):
 def test_quantized_checkpoints_are_refused(llama_case, checkpoint_copy, out_dir, capsys, method):
     ckpt = checkpoint_copy(llama_case)
     edit_json(ckpt / "config.json", quantization_config={"quant_method": method, "bits": 4})
-    export_fails(capsys, ckpt, out_dir, f"quantized checkpoints (quant_method {method}) are not supported",
+    export_fails(capsys, ckpt, out_dir, f"quantized checkpoints (quant_method '{method}') are not supported",
                  "use --quant")
 
 

@@ -530,6 +530,9 @@ BAD = {
     "huge-count": (lambda src, p: p.write_bytes(src.read_bytes()[:16] + (2**63).to_bytes(8, "little")
                                                 + src.read_bytes()[24:]), "more than"),
     "unknown-architecture": (lambda src, p: write_tiny_gguf(p, arch="gpt-neox-ish", types={}), "gpt-neox-ish"),
+    # a metadata value echoed escaped and clipped (no newline or terminal escape reaches the terminal)
+    "escaping-architecture": (lambda src, p: write_tiny_gguf(p, arch="x\n\x1b[2J\x1b[31m" + "x" * 1000, types={}),
+                              "architecture 'x\\n\\x1b[2J"),
     "undequantizable-type": (lambda src, p: write_tiny_gguf(p, types={"blk.0.ffn_up.weight": Q.Q8_1}), "Q8_1"),
     "inconsistent-metadata": (lambda src, p: write_tiny_gguf(p, types={}, block_count=5), "num_hidden_layers"),
 }

@@ -23,8 +23,11 @@ checkpoints are one ``error:`` line through the CLI, nothing written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -686,3 +689,152 @@ def test_corrupt_shard_is_one_line(built, tmp_path, capsys):
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
     export_fails(capsys, ckpt, tmp_path / "out" / "art", "model.safetensors", "truncated or corrupt")
+
+
+# --------------------------------------------------------------------------- hostile quantization_config
+
+
+@contextlib.contextmanager
+def _cpu_limit(seconds: float):
+    """Fail the block, rather than spin for minutes, once the process has used ``seconds`` of CPU
+    in it (re's matcher checks for signals while it backtracks, so the old code fails here too)."""
+    def expire(signum, frame):
+        raise AssertionError(f"still running after {seconds} s of CPU")
+
+    previous = signal.signal(signal.SIGVTALRM, expire)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+_CT_GROUP = {"format": "pack-quantized", "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                     "strategy": "group", "group_size": GROUP}}
+# name: (scheme, quantization_config update, the key and the pattern the error line names)
+CATASTROPHIC = {
+    "gptq-modules_to_not_convert": ("gptq-v1-sym", {"modules_to_not_convert": ["lm_head.x", r"(?:.|\w|\w)*y"]},
+                                    "modules_to_not_convert", r"(?:.|\w|\w)*y"),
+    "awq-modules_to_not_convert": ("awq-gemm", {"modules_to_not_convert": [r"(?:\w|\w\w|.)*y"]},
+                                   "modules_to_not_convert", r"(?:\w|\w\w|.)*y"),
+    "ct-targets": ("ct-sym",
+                   {"config_groups": {"g": {**_CT_GROUP, "targets": ["lm_head", r"re:(?:.|\w|\w)*y(?=\.)"]}}},
+                   "config_groups.g.targets", r"(?:.|\w|\w)*y(?=\.)"),
+    "ct-ignore": ("ct-sym", {"ignore": ["lm_head.x", r"re:(?:\w|.|\w)*j(?=\.)"]}, "ignore", r"(?:\w|.|\w)*j(?=\.)"),
+    # a compile bomb for the regex engine (10**4 copies of the body) that backtracks for re
+    "nested-counted-repeats": ("gptq-v1-sym", {"modules_to_not_convert": [r"(?:(?:(?:.|\w|\w)*y){100}){100}"]},
+                               "modules_to_not_convert", r"(?:(?:(?:.|\w|\w)*y){100}){100}"),
+}
+
+
+@pytest.mark.parametrize("case", CATASTROPHIC)
+def test_catastrophic_pattern_is_one_line_within_a_second(case, built, tmp_path, capsys):
+    """A module-name pattern that backtracks catastrophically (re spun for minutes at 100% CPU) or
+    would make the regex engine write out a huge program is refused in one line naming the key, the
+    pattern and the fix, after a quarter second of matching (measured: ~0.3 s of CPU for the whole
+    refused export, ~1 s of wall time at a load of 4 per core)."""
+    from graphkiln.untrusted import show
+
+    name, config, key, pattern = CATASTROPHIC[case]
+    ckpt = _variant(built, name, tmp_path, config)
+    start = time.process_time()
+    with _cpu_limit(20):
+        export_fails(capsys, ckpt, tmp_path / "out" / "art", key, show(pattern), "quantization_config")
+    assert time.process_time() - start < 1.5
+
+
+def test_real_patterns_still_match(built, tmp_path, capsys):
+    """The bounded matcher keeps the libraries' rules: a regex target selects the modules it names
+    (compressed-tensors), a modules_to_not_convert prefix lists a module at a boundary only."""
+    from graphkiln.models.hf_quantized.patterns import MatchBudget, NotConverted, Targets
+
+    budget = MatchBudget()
+    targets = Targets("compressed-tensors", "targets", [r"re:.*self_attn\.(q|k)_proj$", "lm_head"], budget)
+    assert targets.first("model.layers.3.self_attn.k_proj") == r"re:.*self_attn\.(q|k)_proj$"
+    assert targets.first("model.layers.3.self_attn.v_proj") is None and targets.first("lm_head") == "lm_head"
+    listed = NotConverted("gptq", "modules_to_not_convert", ["model.layers.1", "mlp.gate", "fc1", "a[b"], budget)
+    assert listed.first("model.layers.1.mlp.up_proj") == "model.layers.1"
+    assert listed.first("model.layers.11.mlp.up_proj") is None  # not at a module boundary
+    assert listed.first("model.layers.0.mlp.gate") == "mlp.gate" and listed.first("model.layers.0.mlp.gate_proj") is None
+    assert listed.first("model.decoder.fc1") == "fc1" and listed.first("x.a[b") == "a[b"  # suffixes, an invalid regex
+
+
+_ESCAPES = "\n\x1b[31mred\x1b[0m\r\x07"
+
+
+def _stray_tensor(t):
+    t[f"model.layers.0.mlp.up{_ESCAPES}.qzeros"] = t["model.layers.0.mlp.up_proj.qzeros"].clone()
+    return t
+
+
+# name: (scheme, quantization_config update, tensors change): each value reaches an error line
+ECHOED = {
+    "quant_method": ("gptq-v1-sym", {"quant_method": "gptq" + _ESCAPES}, None),
+    "long-checkpoint_format": ("gptq-v1-sym", {"checkpoint_format": _ESCAPES + "x" * 100_000}, None),
+    "awq-version": ("awq-gemm", {"version": _ESCAPES + "v" * 100_000}, None),
+    "group-size-list": ("gptq-v1-sym", {"group_size": ["x" * 100_000, _ESCAPES]}, None),
+    "ct-group-name": ("ct-sym", {"config_groups": {_ESCAPES * 50: {**_CT_GROUP, "format": "float-quantized"}}}, None),
+    "not-converted-hit": ("awq-gemm", {"modules_to_not_convert": ["lm_head|\n\x1b\\[31m" + "x" * 10_000]}, None),
+    "long-pattern": ("gptq-v1-sym", {"modules_to_not_convert": ["lm_head|" * 2_000]}, None),
+    "tensor-name": ("gptq-v1-sym", None, _stray_tensor),
+}
+
+
+@pytest.mark.parametrize("case", ECHOED)
+def test_echoed_checkpoint_values_are_escaped_and_clipped(case, built, tmp_path, capsys):
+    """Values a checkpoint holds (quantization_config strings, keys and lists, patterns, tensor
+    names) reach an error line escaped (no newline, carriage return, bell or terminal escape) and
+    clipped, never raw."""
+    name, config, tensors = ECHOED[case]
+    ckpt = _variant(built, name, tmp_path, config, tensors)
+    line = export_fails(capsys, ckpt, tmp_path / "out" / "art")
+    assert line.isprintable() and len(line) < 700, (len(line), line[:300])
+
+
+def _with_deep_value(ckpt: Path, key: str, depth: int, container: str) -> None:
+    """config.json with ``quantization_config[key]`` nested ``depth`` levels (written as text: json
+    itself cannot write it)."""
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["quantization_config"][key] = "DEEP"
+    deep = "[" * depth + "]" * depth if container == "list" else '{"a": ' * depth + "1" + "}" * depth
+    (ckpt / "config.json").write_text(json.dumps(raw).replace('"DEEP"', deep))
+
+
+@pytest.mark.parametrize("key, depth, container", [("bits", 40, "list"), ("group_size", 150, "dict"),
+                                                   ("modules_to_not_convert", 150, "list"),
+                                                   ("bits", 5000, "list")])
+def test_deeply_nested_quantization_config_is_one_line(key, depth, container, built, tmp_path, capsys):
+    """A quantization_config nested deeper than any format's (4 levels) is refused before a value of
+    it is read or shown (a repr recurses: RecursionError); past 200 levels config.json itself is."""
+    ckpt = _variant(built, "gptq-v1-sym", tmp_path)
+    _with_deep_value(ckpt, key, depth, container)
+    export_fails(capsys, ckpt, tmp_path / "out" / "art", "nests deeper than")
+
+
+def _sidecar_copy(built, tmp_path: Path, meta: bytes | None, cut: int | None = None) -> Path:
+    """A float checkpoint with a prequantized sidecar whose metadata is ``meta`` (or whose bytes end
+    after ``cut``): the sidecar is read from any checkpoint export is given."""
+    from safetensors.numpy import save_file
+
+    from graphkiln.models.prequantized import PREQUANTIZED_FILE
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(built("gptq-v1-sym").reference, ckpt)
+    side = ckpt / PREQUANTIZED_FILE
+    save_file({"x.codes": np.zeros((2, 2), np.uint8)}, str(side),
+              metadata={"graphkiln.prequantized": "{}" if meta is None else meta.decode()})
+    if cut is not None:
+        side.write_bytes(side.read_bytes()[:cut])
+    return ckpt
+
+
+@pytest.mark.parametrize("meta, cut, needle", [
+    (b"[" * 5000 + b"]" * 5000, None, "nests deeper"),
+    (b"[1, 2]", None, "not a JSON object"),
+    (b'{"x.weight": {"bits": 4, "block_size": 32}}', None, "malformed"),  # its tensors are missing
+    (None, 40, "malformed"),  # truncated
+])
+def test_malformed_prequantized_sidecar_is_one_line(meta, cut, needle, built, tmp_path, capsys):
+    ckpt = _sidecar_copy(built, tmp_path, meta, cut)
+    export_fails(capsys, ckpt, tmp_path / "out" / "art", "graphkiln-prequantized.safetensors", needle)

@@ -139,7 +139,9 @@ def refuse_quantized(raw: dict) -> None:
     qc = raw.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+        from graphkiln.untrusted import show
+
         raise GraphkilnError(
-            f"quantized checkpoints (quant_method {method}) are not supported (graphkiln converts "
+            f"quantized checkpoints (quant_method {show(method)}) are not supported (graphkiln converts "
             f"{', '.join(CONVERTIBLE_QUANT_METHODS)} int4): export the unquantized checkpoint and use --quant"
         )

@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 # GGUF ``general.architecture`` values converted (transformers' GGUF loader reads them, graphkiln
 # exports the resulting family); a llama GGUF named "mistral" becomes MistralForCausalLM.
@@ -75,7 +76,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     """Write the checkpoint directory ``dest`` (created here; see the module docstring) from the
     GGUF file ``gguf``."""
     path = Path(gguf)
-    name = path.name
+    name = show(path.name)  # every message names the file through show(): a file name is untrusted text
     try:
         import gguf as gguf_pkg  # noqa: F401
     except ImportError:
@@ -85,7 +86,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     if not isinstance(arch, str):
         raise GraphkilnError(f"{name} has no 'general.architecture' string in its metadata: {_FIX}")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GraphkilnError(f"{name} is a GGUF of architecture '{arch[:40]}', which graphkiln does not convert (it "
+        raise GraphkilnError(f"{name} is a GGUF of architecture {show(arch, 40)}, which graphkiln does not convert (it "
                              f"converts {', '.join(SUPPORTED_ARCHITECTURES)} GGUF files): export the model's Hugging "
                              "Face checkpoint instead")
     raw, config = _config(layout, name)
@@ -124,7 +125,7 @@ def _config(layout: "Layout", name: str):
         if target is None or target == -1:
             continue
         if isinstance(value, ArrayInfo):
-            raise GraphkilnError(f"{name}: its metadata '{key}' is an array of {value.count} values where "
+            raise GraphkilnError(f"{name}: its metadata {show(key)} is an array of {value.count} values where "
                                  f"transformers reads one ({target}): graphkiln does not convert such files")
         raw[target] = value.replace(arch, updated) if isinstance(value, str) and arch in value else value
     if "vocab_size" not in raw and isinstance(meta.get("tokenizer.ggml.tokens"), ArrayInfo):
@@ -132,7 +133,8 @@ def _config(layout: "Layout", name: str):
     try:
         config = CONFIG_MAPPING[raw["model_type"]].from_dict(dict(raw))
     except Exception as exc:
-        raise GraphkilnError(f"transformers cannot build a config from {name}'s metadata ({_why(exc)}): {_FIX}") from None
+        raise GraphkilnError(f"transformers cannot build a config from the metadata of {name} ({_why(exc)}): "
+                             f"{_FIX}") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return raw, config
@@ -149,8 +151,8 @@ def _check_metadata(layout: "Layout", config, name: str) -> None:
     found = {"num_hidden_layers": max(blocks) + 1 if blocks else 0, "vocab_size": embed[0], "hidden_size": embed[1]}
     for key, value in found.items():
         if getattr(config, key, None) != value:
-            raise GraphkilnError(f"{name}: its metadata gives {key} {getattr(config, key, None)}, its tensors {value}: "
-                                 f"the file is inconsistent; {_FIX}")
+            raise GraphkilnError(f"{name}: its metadata gives {key} {show(getattr(config, key, None))}, its tensors "
+                                 f"{value}: the file is inconsistent; {_FIX}")
 
 
 def _plan(config, raw_config: dict, arch: str, name: str):
@@ -235,16 +237,17 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
         try:
             weights = dequantize(data, t.qtype)
         except NotImplementedError:
-            raise GraphkilnError(f"{name}: tensor '{t.name}' is stored as {t.qtype.name}, which the gguf package "
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} is stored as {t.qtype.name}, which the gguf package "
                                  "cannot dequantize: upgrade gguf (pip install -U gguf), or use a GGUF of another "
                                  "quantization type") from None
         except Exception as exc:
-            raise GraphkilnError(f"{name}: tensor '{t.name}' ({t.qtype.name}) is malformed ({_why(exc)}): {_FIX}") from None
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} ({t.qtype.name}) is malformed ({_why(exc)}): "
+                                 f"{_FIX}") from None
         try:
             result = processor.process(weights=weights, name=t.name, tensor_key_mapping=mapping,
                                        parsed_parameters={"tensors": {}})
         except Exception as exc:
-            raise GraphkilnError(f"{name}: tensor '{t.name}' has shape {t.shape}, which does not fit the model's "
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {t.shape}, which does not fit the model's "
                                  f"heads ({_why(exc)}): {_FIX}") from None
         if result.name not in mapping:
             continue  # transformers' loader skips it too
@@ -253,11 +256,11 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
             continue  # a tied head stored anyway: the model reads the embedding
         w = np.asarray(result.weights)
         if w.dtype.kind != "f":
-            raise GraphkilnError(f"{name}: tensor '{t.name}' is stored as {t.qtype.name}, not a float or quantized "
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} is stored as {t.qtype.name}, not a float or quantized "
                                  f"type: {_FIX}")
         w = np.ascontiguousarray(w, dtype=np.float32)
         if tuple(w.shape) != expected[hf]:
-            raise GraphkilnError(f"{name}: tensor '{t.name}' has shape {tuple(w.shape)}, but the metadata implies "
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {tuple(w.shape)}, but the metadata implies "
                                  f"{expected[hf]} for {hf}: the file is inconsistent; {_FIX}")
         if w.ndim == 2 and _stored_bits(t.qtype.name) is not None:
             widths[_stored_bits(t.qtype.name)] += w.size
@@ -388,12 +391,13 @@ def _write_tokenizer(path: Path, layout: "Layout", dest: Path, name: str) -> Non
         tokenizer = AutoTokenizer.from_pretrained(str(dest), gguf_file=str(path.resolve()), trust_remote_code=False)
         tokenizer.save_pretrained(str(dest))
     except Exception as exc:
-        raise GraphkilnError(f"transformers cannot build a tokenizer from {name}'s metadata ({_why(exc)}): {_FIX}") from None
+        raise GraphkilnError(f"transformers cannot build a tokenizer from the metadata of {name} ({_why(exc)}): "
+                             f"{_FIX}") from None
 
 
 def _why(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0][:160] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    lines = str(exc).splitlines()  # library messages quote the file's values: shown, not echoed
+    return f"{type(exc).__name__}: {show(lines[0], 160)}" if lines else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- layout
@@ -441,11 +445,12 @@ def read_layout(path: Path) -> Layout:
     tensor's extent inside the file. One GraphkilnError naming what is wrong."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    name = path.name
+    name = show(path.name)
     try:
         f = path.open("rb")
     except OSError as exc:
-        raise GraphkilnError(f"cannot read {path} ({exc.strerror or exc}): check the path and its permissions") from None
+        raise GraphkilnError(f"cannot read {show(str(path), 120)} ({exc.strerror or exc}): check the path and its "
+                             "permissions") from None
     with f:
         size = path.stat().st_size
         if size < 24:
@@ -467,20 +472,20 @@ def read_layout(path: Path) -> Layout:
                     key, pos = _string(buf, pos, size)
                     vtype, pos = _unpack("<I", buf, pos, size)
                     if key in metadata:
-                        raise _Bad(f"metadata key '{key[:80]}' appears twice")
+                        raise _Bad(f"metadata key {show(key)} appears twice")
                     metadata[key], pos = _value(buf, pos, vtype, size)
                 alignment = metadata.get("general.alignment", 32)
                 if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-                    raise _Bad(f"general.alignment {alignment!r} is not a power of two")
+                    raise _Bad(f"general.alignment {show(alignment)} is not a power of two")
                 entries, names = [], set()
                 for _ in range(n_tensors):
                     tname, pos = _string(buf, pos, size)
                     if tname in names:
-                        raise _Bad(f"tensor '{tname[:80]}' appears twice")
+                        raise _Bad(f"tensor {show(tname)} appears twice")
                     names.add(tname)
                     n_dims, pos = _unpack("<I", buf, pos, size)
                     if not 1 <= n_dims <= _MAX_DIMS:
-                        raise _Bad(f"tensor '{tname[:80]}' has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+                        raise _Bad(f"tensor {show(tname)} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
                     dims = []
                     for _ in range(n_dims):
                         d, pos = _unpack("<Q", buf, pos, size)
@@ -495,18 +500,18 @@ def read_layout(path: Path) -> Layout:
                         qtype = GGMLQuantizationType(ttype)
                         block, type_size = GGML_QUANT_SIZES[qtype]
                     except (ValueError, KeyError):
-                        raise _Bad(f"tensor '{tname[:80]}' has unknown ggml type {ttype}") from None
+                        raise _Bad(f"tensor {show(tname)} has unknown ggml type {ttype}") from None
                     if min(dims) < 1 or dims[0] % block:
-                        raise _Bad(f"tensor '{tname[:80]}' has dimensions {dims}, which {qtype.name} blocks of "
+                        raise _Bad(f"tensor {show(tname)} has dimensions {dims}, which {qtype.name} blocks of "
                                    f"{block} cannot hold")
                     count = 1
                     for d in dims:
                         count *= d
                     nbytes = count // block * type_size
                     if data_start + offset + nbytes > size:
-                        raise _Bad(f"tensor '{tname[:80]}' lies past the end of the file (the file is truncated)")
+                        raise _Bad(f"tensor {show(tname)} lies past the end of the file (the file is truncated)")
                     if offset % alignment:
-                        raise _Bad(f"tensor '{tname[:80]}' is not aligned to {alignment} bytes")
+                        raise _Bad(f"tensor {show(tname)} is not aligned to {alignment} bytes")
                     tensors.append(TensorInfo(tname, tuple(reversed(dims)), qtype, offset, nbytes))
             except _Bad as exc:
                 raise GraphkilnError(f"{name} is not a valid GGUF file ({exc}): {_FIX}") from None

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import parse_json, show
 
 PREQUANTIZED_FILE = "graphkiln-prequantized.safetensors"
 # The sidecar's metadata key holding {tensor name: {"bits": b, "block_size": n, "format": "..."}}
@@ -112,14 +113,19 @@ def sidecar_default_bits(directory: Path) -> int | None:
     path = directory / PREQUANTIZED_FILE
     if not path.is_file():
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
             value = (f.metadata() or {}).get(_DEFAULT_BITS_KEY)
-    except (OSError, ValueError) as exc:
-        raise GraphkilnError(f"{path} is malformed ({exc}): delete it, or convert the checkpoint again") from None
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _malformed(path, exc) from None
     return int(value) if value in ("4", "8") else None
+
+
+def _malformed(path: Path, exc: BaseException | str) -> GraphkilnError:
+    return GraphkilnError(f"{show(str(path), 120)} is malformed ({show(str(exc), 160)}): delete it, or convert the "
+                          "checkpoint again")
 
 
 def read_sidecar(directory: Path) -> dict[str, BlockQuantized]:
@@ -129,16 +135,19 @@ def read_sidecar(directory: Path) -> dict[str, BlockQuantized]:
     path = directory / PREQUANTIZED_FILE
     if not path.is_file():
         return {}
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            meta = json.loads((f.metadata() or {})[_META_KEY])
+            meta = parse_json((f.metadata() or {})[_META_KEY], f"{show(str(path), 120)}'s metadata",
+                              "delete it, or convert the checkpoint again")
+            if not isinstance(meta, dict):
+                raise _malformed(path, "its metadata is not a JSON object")
             out = {}
             for name, info in meta.items():
                 out[name] = BlockQuantized(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
                                            f.get_tensor(f"{name}.zero_points"), int(info["bits"]),
                                            int(info["block_size"]), str(info.get("format", "")))
             return out
-    except (KeyError, ValueError, TypeError, json.JSONDecodeError, OSError) as exc:
-        raise GraphkilnError(f"{path} is malformed ({exc}): delete it, or convert the checkpoint again") from None
+    except (KeyError, ValueError, TypeError, AttributeError, OSError, SafetensorError) as exc:
+        raise _malformed(path, exc) from None

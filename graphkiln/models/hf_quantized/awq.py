@@ -14,6 +14,7 @@ from graphkiln.models.hf_quantized.layout import (FIX_FLOAT, FLOAT_DTYPES, Layou
                                                   read_group_block, read_names, refuse, unpack_along_last)
 from graphkiln.models.hf_quantized.patterns import refuse_not_converted
 from graphkiln.models.hf_quantized.shards import Store
+from graphkiln.untrusted import show
 
 class AWQ(Layout):
     method = "awq"
@@ -27,7 +28,7 @@ class AWQ(Layout):
         if qc.get("backend") == "llm-awq":
             version = "llm-awq"
         if version != "gemm":
-            raise refuse("awq", f"version {version!r} is not supported (graphkiln reads autoawq's GEMM layout)",
+            raise refuse("awq", f"version {show(version)} is not supported (graphkiln reads autoawq's GEMM layout)",
                           "re-save it in the gemm version, or " + FIX_FLOAT)
         self.bits = read_bits("awq", qc.get("bits", qc.get("w_bit", 4)), (4,))
         self.group = read_group_block("awq", qc.get("group_size", qc.get("q_group_size", 128)))
@@ -41,7 +42,7 @@ class AWQ(Layout):
     def _dims(self, store: Store, parts: dict) -> tuple[int, int, int]:
         qw = store.shape(parts["qweight"])
         if len(qw) != 2 or 0 in qw:
-            raise GraphkilnError(f"checkpoint tensor '{parts['qweight']}' has shape {list(qw)}, not [K, N/8]: the "
+            raise GraphkilnError(f"checkpoint tensor {show(parts['qweight'])} has shape {list(qw)}, not [K, N/8]: the "
                                  "checkpoint is corrupt; re-download it")
         k, n = qw[0], qw[1] * 8
         return k, n, math.ceil(k / self.group)

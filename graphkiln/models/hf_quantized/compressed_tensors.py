@@ -9,7 +9,6 @@ unsigned zero point (symmetric: ``2**(bits-1)``)."""
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 
@@ -17,7 +16,9 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models.hf_quantized.layout import (FIX_FLOAT, FLOAT_DTYPES, Layout, make_blocks, read_bits,
                                                   read_group_block, read_names, refuse, unpack_along_first,
                                                   unpack_along_last)
+from graphkiln.models.hf_quantized.patterns import MatchBudget, Targets
 from graphkiln.models.hf_quantized.shards import Store
+from graphkiln.untrusted import show
 
 class CompressedTensors(Layout):
     method = "compressed-tensors"
@@ -30,29 +31,32 @@ class CompressedTensors(Layout):
         fmt = qc.get("format")
         for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
             if qc.get(key):
-                raise refuse(m, f"'{key}' is set: graphkiln converts weight-only int quantization and cannot honor it")
+                raise refuse(m, f"{show(key)} is set: graphkiln converts weight-only int quantization and "
+                                "cannot honor it")
         groups = qc.get("config_groups")
         if not isinstance(groups, dict) or not groups:
             raise refuse(m, "'config_groups' is missing or empty", "fix quantization_config in config.json")
-        self.schemes = []  # (group name, targets, weight args)
+        self.schemes = []  # (targets, weight args)
+        budget = MatchBudget()
         for gname, group in groups.items():
             if not isinstance(group, dict):
-                raise refuse(m, f"config group {gname!r} is not a mapping", "fix quantization_config in config.json")
+                raise refuse(m, f"config group {show(gname)} is not a "
+                                "mapping", "fix quantization_config in config.json")
             gfmt = group.get("format") or fmt
             if gfmt != "pack-quantized":
-                raise refuse(m, f"format {gfmt!r} (config group {gname!r}) is not supported (graphkiln reads "
-                                 "pack-quantized int weights)")
+                raise refuse(m, f"format {show(gfmt)} (config group {show(gname)}) is not supported (graphkiln "
+                                "reads pack-quantized int weights)")
             for act in ("input_activations", "output_activations"):
                 if group.get(act):
-                    raise refuse(m, f"config group {gname!r} quantizes {act.replace('_', ' ')}, which weight-only "
+                    raise refuse(m, f"config group {show(gname)} quantizes {act.replace('_', ' ')}, which weight-only "
                                      "MatMulNBits cannot honor")
             w = group.get("weights")
             if not isinstance(w, dict):
-                raise refuse(m, f"config group {gname!r} has no 'weights' scheme")
+                raise refuse(m, f"config group {show(gname)} has no 'weights' scheme")
             if w.get("type", "int") != "int":
-                raise refuse(m, f"config group {gname!r} quantizes weights as {w.get('type')!r}, not int")
+                raise refuse(m, f"config group {show(gname)} quantizes weights as {show(w.get('type'))}, not int")
             if w.get("dynamic"):
-                raise refuse(m, f"config group {gname!r} quantizes weights dynamically")
+                raise refuse(m, f"config group {show(gname)} quantizes weights dynamically")
             bits = read_bits(m, w.get("num_bits"))
             strategy, gs = w.get("strategy"), w.get("group_size")
             if gs is not None and gs != -1:
@@ -64,41 +68,30 @@ class CompressedTensors(Layout):
                 raise refuse(m, "strategy channel (one scale per output across all K inputs) is not one of "
                                  "MatMulNBits' block sizes 16..256")
             if strategy != "group":
-                raise refuse(m, f"strategy {strategy!r} (config group {gname!r}) is not supported (graphkiln maps "
-                                 "group-wise weights)")
+                raise refuse(m, f"strategy {show(strategy)} (config group {show(gname)}) is not supported "
+                                "(graphkiln maps group-wise weights)")
             block = read_group_block(m, w.get("group_size"))
             symmetric = w.get("symmetric", True)
             if not isinstance(symmetric, bool):
-                raise refuse(m, f"'symmetric' is {symmetric!r}", "fix quantization_config in config.json")
-            targets = read_names(m, group.get("targets"), f"config_groups.{gname}.targets")
-            self.schemes.append((gname, targets, (bits, block, symmetric)))
-        self.ignore = read_names(m, qc.get("ignore"), "ignore")
-
-    @staticmethod
-    def _match(module: str, target: str) -> bool:
-        """compressed-tensors' match_name; a class name target ('Linear') matches every packed module,
-        each of which is a Linear."""
-        if target.startswith("re:"):
-            try:
-                return re.match(target[3:], module) is not None
-            except re.error:
-                raise refuse("compressed-tensors", f"target {target!r} is not a valid regular expression",
-                              "fix quantization_config in config.json") from None
-        return target == module or target == "Linear"
+                raise refuse(m, f"'symmetric' is {show(symmetric)}", "fix quantization_config in config.json")
+            key = f"config_groups.{gname}.targets"
+            self.schemes.append((Targets(m, key, read_names(m, group.get("targets"), key), budget),
+                                 (bits, block, symmetric)))
+        self.ignore = Targets(m, "ignore", read_names(m, qc.get("ignore"), "ignore"), budget)
 
     def check_modules(self, modules: dict) -> None:
         self.scheme = {}
         for module in modules:
-            ignored = next((t for t in self.ignore if t != "Linear" and self._match(module, t)), None)
+            ignored = self.ignore.first(module, classes=False)
             if ignored is not None:
-                raise refuse(self.method, f"'{module}' stores packed weights but 'ignore' lists {ignored!r}",
-                              "remove it from 'ignore' in config.json, or re-quantize the checkpoint")
-            found = {args for _, targets, args in self.schemes if any(self._match(module, t) for t in targets)}
+                raise refuse(self.method, f"{show(module)} stores packed weights but 'ignore' lists {show(ignored)}",
+                             "remove it from 'ignore' in config.json, or re-quantize the checkpoint")
+            found = {args for targets, args in self.schemes if targets.first(module) is not None}
             if not found:
-                raise refuse(self.method, f"'{module}' stores packed weights but no config group targets it",
-                              "fix quantization_config in config.json")
+                raise refuse(self.method, f"{show(module)} stores packed weights but no config group targets it",
+                             "fix quantization_config in config.json")
             if len(found) > 1:
-                raise refuse(self.method, f"'{module}' is targeted by config groups with different weight schemes")
+                raise refuse(self.method, f"{show(module)} is targeted by config groups with different weight schemes")
             self.scheme[module] = found.pop()
 
     def described(self, name: str) -> str:
@@ -109,11 +102,11 @@ class CompressedTensors(Layout):
         bits, block, _ = self.scheme[module]
         shape = store.shape(parts["weight_shape"])
         if shape != (2,):
-            raise GraphkilnError(f"checkpoint tensor '{parts['weight_shape']}' has shape {list(shape)}, not [2]: the "
-                                 "checkpoint is corrupt; re-download it")
+            raise GraphkilnError(f"checkpoint tensor {show(parts['weight_shape'])} has shape {list(shape)}, not "
+                                 "[2]: the checkpoint is corrupt; re-download it")
         n, k = (int(v) for v in store.ints(parts["weight_shape"]))
         if n <= 0 or k <= 0:
-            raise GraphkilnError(f"checkpoint tensor '{parts['weight_shape']}' says the weight is [{n}, {k}]: the "
+            raise GraphkilnError(f"checkpoint tensor {show(parts['weight_shape'])} says the weight is [{n}, {k}]: the "
                                  "checkpoint is corrupt; re-download it")
         return n, k, math.ceil(k / block)
 
@@ -125,12 +118,12 @@ class CompressedTensors(Layout):
         self._expect(store, parts["weight_scale"], FLOAT_DTYPES, (n, groups), "weight scales")
         zp = parts.get("weight_zero_point")
         if symmetric and zp is not None:
-            raise GraphkilnError(f"checkpoint tensor '{zp}' is a zero point, but the scheme is symmetric: fix "
+            raise GraphkilnError(f"checkpoint tensor {show(zp)} is a zero point, but the scheme is symmetric: fix "
                                  "'symmetric' in config.json or re-download the checkpoint")
         if not symmetric:
             if zp is None:
-                raise GraphkilnError(f"checkpoint tensor '{module}.weight_zero_point' is missing (the scheme is "
-                                     "asymmetric): the checkpoint is incomplete; re-download it")
+                raise GraphkilnError(f"checkpoint tensor {show(module + '.weight_zero_point')} is missing (the "
+                                     "scheme is asymmetric): the checkpoint is incomplete; re-download it")
             if store.dtype(zp) == "I32":
                 self._expect(store, zp, ("I32",), (math.ceil(n * bits / 32), groups), "packed zero points")
             else:
@@ -146,12 +139,13 @@ class CompressedTensors(Layout):
         if "weight_g_idx" in parts:
             g_idx = store.ints(parts["weight_g_idx"])
             if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= groups):
-                raise GraphkilnError(f"checkpoint tensor '{parts['weight_g_idx']}' names groups outside 0..{groups - 1}: "
-                                     "the checkpoint is corrupt; re-download it")
+                raise GraphkilnError(f"checkpoint tensor {show(parts['weight_g_idx'])} names groups outside "
+                                     f"0..{groups - 1}: the checkpoint is corrupt; re-download it")
             if not np.array_equal(g_idx, np.arange(k) // block):
-                raise refuse(self.method, f"'{parts['weight_g_idx']}' orders the inputs by activation (actorder "
+                raise refuse(self.method, f"{show(parts['weight_g_idx'])} orders the inputs by activation (actorder "
                                            "group): its groups are not contiguous runs of inputs, which MatMulNBits "
-                                           "blocks cannot express", "re-quantize without actorder group, or " + FIX_FLOAT)
+                                           "blocks cannot express",
+                             "re-quantize without actorder group, or " + FIX_FLOAT)
         codes = unpack_along_last(store.ints(parts["weight_packed"]), bits)[:, :k]  # [N, K], value + offset
         if symmetric:
             zeros = np.full((n, groups), offset, np.int64)
@@ -160,7 +154,7 @@ class CompressedTensors(Layout):
         else:
             zeros = store.ints(parts["weight_zero_point"])
             if zeros.min() < -offset or zeros.max() >= offset:
-                raise GraphkilnError(f"checkpoint tensor '{parts['weight_zero_point']}' holds zero points outside "
+                raise GraphkilnError(f"checkpoint tensor {show(parts['weight_zero_point'])} holds zero points outside "
                                      f"[{-offset}, {offset - 1}]: the checkpoint is corrupt; re-download it")
             zeros = zeros + offset
         return make_blocks(codes, scales, zeros, bits, block, self.method, parts["weight_scale"])

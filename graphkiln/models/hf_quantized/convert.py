@@ -17,6 +17,7 @@ from graphkiln.models.hf_quantized.compressed_tensors import CompressedTensors
 from graphkiln.models.hf_quantized.gptq import GPTQ
 from graphkiln.models.hf_quantized.layout import Layout
 from graphkiln.models.hf_quantized.shards import ShardWriter, Store
+from graphkiln.untrusted import show
 
 # Files of the source directory not copied into the converted one: weights (rewritten, or formats
 # never read), and the quantizers' own config files, which describe weights the copy no longer has.
@@ -24,6 +25,8 @@ _SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".p
                      ".gguf", ".npz", ".npy")
 _SKIPPED_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "quant_config.json",
                   "quantization_config.json")
+# A quantization_config nests 4 levels (compressed-tensors' config_groups.NAME.weights.KEY)
+MAX_CONFIG_DEPTH = 32
 
 
 def convert_quantized_checkpoint(src: Path, dest: Path) -> None:
@@ -88,10 +91,27 @@ def _torch(a: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
+def _nesting(value) -> int:
+    """How deeply dicts and lists nest in ``value``, counted without recursing (a deep value would
+    exhaust the stack) and no further than past ``MAX_CONFIG_DEPTH``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_CONFIG_DEPTH:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def layout_for(qc) -> Layout:
-    """The layout of a ``quantization_config``, or a one-line refusal of what it cannot map."""
+    """The layout of a ``quantization_config``, or a one-line refusal of what it cannot map. The
+    config is untrusted: nested deeper than ``MAX_CONFIG_DEPTH`` it is refused before any value of it
+    is read or shown in a message (whose repr would recurse through it)."""
     if not isinstance(qc, dict):
         raise GraphkilnError("config.json: 'quantization_config' is not a mapping: fix or re-save config.json")
+    if _nesting(qc) > MAX_CONFIG_DEPTH:
+        raise GraphkilnError(f"config.json: 'quantization_config' nests deeper than {MAX_CONFIG_DEPTH} levels (the "
+                             "formats graphkiln reads nest 4): fix or re-save config.json")
     method = qc.get("quant_method")
     if method == "gptq":
         return GPTQ(qc)
@@ -99,5 +119,5 @@ def layout_for(qc) -> Layout:
         return AWQ(qc)
     if method == "compressed-tensors":
         return CompressedTensors(qc)
-    raise GraphkilnError(f"quantized checkpoints (quant_method {method}) are not converted by graphkiln (it reads "
-                         "gptq, awq, compressed-tensors): export the unquantized checkpoint and use --quant")
+    raise GraphkilnError(f"quantized checkpoints (quant_method {show(method)}) are not converted by graphkiln (it "
+                         "reads gptq, awq, compressed-tensors): export the unquantized checkpoint and use --quant")

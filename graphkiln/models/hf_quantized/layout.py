@@ -11,6 +11,7 @@ import numpy as np
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.models.hf_quantized.shards import Store
+from graphkiln.untrusted import show
 
 FIX_FLOAT = "export the float checkpoint with --quant int4 instead"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -26,7 +27,8 @@ def read_group_block(method: str, group_size, k_text: str = "K") -> int:
 
     sizes = f"{MATMUL_NBITS_BLOCK_SIZES[0]}..{MATMUL_NBITS_BLOCK_SIZES[-1]}"
     if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise refuse(method, f"group size {group_size!r} is not an integer", "fix quantization_config in config.json")
+        raise refuse(method, f"group size {show(group_size)} is not an integer",
+                     "fix quantization_config in config.json")
     if group_size == -1:
         raise refuse(method, f"group size -1 (one scale per output across all {k_text} inputs) is not one of "
                               f"MatMulNBits' block sizes {sizes}")
@@ -39,7 +41,8 @@ def read_group_block(method: str, group_size, k_text: str = "K") -> int:
 def read_bits(method: str, bits, allowed=(4, 8)) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
         shown = " and ".join(map(str, allowed))
-        raise refuse(method, f"bits {bits!r} is not supported (graphkiln maps {shown}-bit weights onto MatMulNBits)")
+        raise refuse(method, f"bits {show(bits)} is not supported (graphkiln maps {shown}-bit weights onto "
+                             "MatMulNBits)")
     return bits
 
 
@@ -48,7 +51,8 @@ def read_bool(method: str, qc: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise refuse(method, f"'{key}' is {value!r}, not true or false", "fix quantization_config in config.json")
+        raise refuse(method, f"{show(key)} is {show(value)}, not true or false",
+                     "fix quantization_config in config.json")
     return value
 
 
@@ -56,7 +60,7 @@ def read_names(method: str, value, key: str) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise refuse(method, f"'{key}' is not a list of module names", "fix quantization_config in config.json")
+        raise refuse(method, f"{show(key)} is not a list of module names", "fix quantization_config in config.json")
     return value
 
 
@@ -100,11 +104,13 @@ class Layout:
                     parts[role] = name
                     claimed.add(name)
                 elif role not in self.optional:
-                    raise GraphkilnError(f"checkpoint tensor '{name}' is missing ({self.method}: '{module}.{self.anchor}' "
-                                         f"needs it): the checkpoint is incomplete; re-download it")
+                    raise GraphkilnError(f"checkpoint tensor {show(name)} is missing ({self.method}: "
+                                         f"{show(module + '.' + self.anchor)} needs it): the checkpoint is "
+                                         "incomplete; re-download it")
             if f"{module}.weight" in store.where:
-                raise GraphkilnError(f"checkpoint has both '{module}.weight' and '{module}.{self.anchor}': one module "
-                                     f"stored float and {self.method}-packed; re-save the checkpoint")
+                raise GraphkilnError(f"checkpoint has both {show(module + '.weight')} and "
+                                     f"{show(module + '.' + self.anchor)}: one module stored float and "
+                                     f"{self.method}-packed; re-save the checkpoint")
         if not modules:
             raise GraphkilnError(f"config.json says quant_method {self.method}, but no checkpoint tensor is a "
                                  f"'*.{self.anchor}': the weights are not {self.method}-packed; fix config.json or "
@@ -115,8 +121,8 @@ class Layout:
                 continue
             module, _, role = name.rpartition(".")
             if role in self.roles:  # e.g. a stray qzeros without its qweight
-                raise GraphkilnError(f"checkpoint tensor '{name}' has no '{module}.{self.anchor}' beside it: the "
-                                     "checkpoint is incomplete; re-download it")
+                raise GraphkilnError(f"checkpoint tensor {show(name)} has no {show(module + '.' + self.anchor)} "
+                                     "beside it: the checkpoint is incomplete; re-download it")
             passthrough.append(name)
         self.check_modules(modules)
         return modules, passthrough
@@ -135,12 +141,12 @@ class Layout:
                 what: str) -> None:
         dtype, got = store.dtype(name), store.shape(name)
         if dtype not in dtypes:
-            raise GraphkilnError(f"checkpoint tensor '{name}' is stored as {dtype}, but {self.method} {what} are "
+            raise GraphkilnError(f"checkpoint tensor {show(name)} is stored as {dtype}, but {self.method} {what} are "
                                  f"{'/'.join(dtypes)}: the checkpoint is corrupt or not {self.method}; re-download it")
         if shape is not None and got != shape:
-            raise GraphkilnError(f"checkpoint tensor '{name}' has shape {list(got)}, but {self.method} {what} of this "
-                                 f"module are {list(shape)} ({self.described(name)}): the checkpoint is truncated or "
-                                 "corrupt, or quantization_config does not describe it; re-download it")
+            raise GraphkilnError(f"checkpoint tensor {show(name)} has shape {list(got)}, but {self.method} {what} "
+                                 f"of this module are {list(shape)} ({self.described(name)}): the checkpoint is "
+                                 "truncated or corrupt, or quantization_config does not describe it; re-download it")
 
     def described(self, name: str) -> str:
         """The quantization_config values the expected shapes follow from, for messages."""
@@ -156,5 +162,5 @@ def make_blocks(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: 
         return BlockQuantized(np.ascontiguousarray(codes, dtype=np.uint8), np.ascontiguousarray(scales, np.float32),
                               np.ascontiguousarray(zeros, dtype=np.uint8), bits, block, fmt)
     except ValueError as exc:  # shapes are checked from the headers first: a guard, named all the same
-        raise GraphkilnError(f"checkpoint tensor '{name}' does not fit its module's blocks ({exc}): the checkpoint "
+        raise GraphkilnError(f"checkpoint tensor {show(name)} does not fit its module's blocks ({exc}): the checkpoint "
                              "is corrupt; re-download it") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 # An output shard is written once it holds this many bytes (dequantized weights are float32).
 SHARD_BYTES = 2 << 30
@@ -25,8 +26,9 @@ class Store:
 
         shards = sorted(p for p in src.glob("*.safetensors") if p.name != PREQUANTIZED_FILE)
         if not shards:
-            raise GraphkilnError(f"no *.safetensors files in {src}: a GPTQ/AWQ/compressed-tensors checkpoint is read "
-                                 "from safetensors only (never a pickle); re-save it with safe_serialization=True")
+            raise GraphkilnError(f"no *.safetensors files in {show(str(src), 120)}: a GPTQ/AWQ/compressed-tensors "
+                                 "checkpoint is read from safetensors only (never a pickle); re-save it with "
+                                 "safe_serialization=True")
         self.where: dict[str, Path] = {}
         self.headers: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._order: dict[str, tuple[int, int]] = {}
@@ -36,8 +38,9 @@ class Store:
                 f = safe_open(str(shard), framework="pt")
                 for j, name in enumerate(f.keys()):
                     if name in self.where:
-                        raise GraphkilnError(f"checkpoint tensor '{name}' is in both {self.where[name].name} and "
-                                             f"{shard.name}: remove the stale shard")
+                        raise GraphkilnError(f"checkpoint tensor {show(name)} is in both "
+                                             f"{show(self.where[name].name)} and {show(shard.name)}: remove the "
+                                             "stale shard")
                     sl = f.get_slice(name)
                     self.where[name] = shard
                     self.headers[name] = (str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
@@ -45,7 +48,7 @@ class Store:
             except GraphkilnError:
                 raise
             except Exception as exc:  # safetensors raises several types for corrupt headers
-                raise GraphkilnError(f"{shard.name} is truncated or corrupt ({str(exc).splitlines()[0][:160]}): "
+                raise GraphkilnError(f"{show(shard.name)} is truncated or corrupt ({show(str(exc), 160)}): "
                                      "re-download or re-save the checkpoint") from None
             self.handles[shard] = f
 
@@ -67,8 +70,8 @@ class Store:
         try:
             return self.handles[self.where[name]].get_tensor(name)
         except Exception as exc:
-            raise GraphkilnError(f"checkpoint tensor '{name}' cannot be read from {self.where[name].name} "
-                                 f"({str(exc).splitlines()[0][:160]}): re-download or re-save the checkpoint") from None
+            raise GraphkilnError(f"checkpoint tensor {show(name)} cannot be read from {show(self.where[name].name)} "
+                                 f"({show(str(exc), 160)}): re-download or re-save the checkpoint") from None
 
     def ints(self, name: str) -> np.ndarray:
         """An integer tensor as int64 (packed int32 words keep their bit pattern: masked later)."""
@@ -81,12 +84,12 @@ class Store:
         t = self.tensor(name)
         a = t.to(torch.float32).numpy() if t.dtype != torch.float64 else t.numpy()
         if not np.isfinite(a).all():
-            raise GraphkilnError(f"checkpoint tensor '{name}' holds NaN or infinite values: the checkpoint is "
+            raise GraphkilnError(f"checkpoint tensor {show(name)} holds NaN or infinite values: the checkpoint is "
                                  "corrupt; re-download it or quantize it again")
         if a.dtype != np.float32:
             a = a.astype(np.float32)
             if not np.isfinite(a).all():
-                raise GraphkilnError(f"checkpoint tensor '{name}' overflows float32: the checkpoint is corrupt")
+                raise GraphkilnError(f"checkpoint tensor {show(name)} overflows float32: the checkpoint is corrupt")
         return a
 
     def close(self) -> None:
