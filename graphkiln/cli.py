@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 
 def _export(args) -> int:
@@ -126,14 +127,18 @@ def _stop_string(text: str) -> str:
 
 
 def _lora_pair(text: str) -> tuple[str, str]:
-    """argparse type of serve's --lora: NAME=DIR, both non-empty (NAME is what clients send as model)."""
+    """argparse type of serve's --lora: NAME=DIR, both non-empty, NAME by the rule the load route
+    applies too (``runtime.lora.check_adapter_name``: NAME is what clients send as model)."""
+    from graphkiln.runtime.lora.targets import check_adapter_name
+
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path:
-        raise argparse.ArgumentTypeError(f"'{text}' is not NAME=DIR: give the name clients send as 'model', '=', "
-                                         "then the PEFT adapter directory, e.g. --lora sql=./adapters/sql")
-    if name != name.strip() or not name.isprintable() or len(name) > 256:
-        raise argparse.ArgumentTypeError(f"the adapter name {name!r} is not usable: give 1-256 printable "
-                                         "characters, without surrounding spaces")
+        raise argparse.ArgumentTypeError(f"{show(text)} is not NAME=DIR: give the name clients send as 'model', "
+                                         "'=', then the PEFT adapter directory, e.g. --lora sql=./adapters/sql")
+    try:
+        check_adapter_name(name)
+    except GraphkilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return name, path
 
 
@@ -328,14 +333,13 @@ def _lora_dir(text: str | None) -> tuple[str, Path] | None:
     """run's --lora DIR as (adapter name: the directory's name, directory)."""
     if text is None:
         return None
+    from graphkiln.runtime.lora.adapter_dir import adapter_directory
+
     _check_utf8("--lora", text)
-    path = Path(text)
-    if not path.is_dir():
-        raise GraphkilnError(f"--lora {text}: {'not a directory' if path.exists() else 'no such directory'}: give a "
-                             "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    path = adapter_directory(text)  # only a stat: a FIFO or an over-long name is one line, never a hang
     name = path.resolve().name
     if not name:
-        raise GraphkilnError(f"--lora {text}: the adapter is named after its directory, and this one has no name: "
+        raise GraphkilnError(f"--lora {show(text)}: the adapter is named after its directory, and this one has no name: "
                              "give the adapter's own directory")
     return name, path
 

@@ -8,7 +8,9 @@ that reused the base model's cached rows for an adapter's request would differ f
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -225,6 +227,54 @@ def test_bad_adapter_is_a_400_with_one_line(srv, adapters, tmp_path):
     assert [m.id for m in srv.client().models.list().data] == [MODEL, "alpha", "beta"]
 
 
+@pytest.mark.parametrize("name", [" gamma", "gamma ", "\tgamma", "gam\nma", "gamma\x1b[2J", "\u2028", "\u00a0gamma"])
+def test_load_refuses_an_unusable_name_as_lora_name(srv, adapters, name):
+    """The route applies the CLI's name rule (runtime.lora.check_adapter_name): a padded name or
+    one with a control character is a 400 about lora_name, whatever lora_path holds."""
+    assert srv.post(UNLOAD, {"lora_name": "beta"}).status_code == 200
+    try:
+        r = srv.post(LOAD, {"lora_name": name, "lora_path": str(adapters["beta"])})
+        message = _error(r, 400, "invalid_lora_name")
+        assert r.json()["error"]["param"] == "lora_name" and "not a usable name" in message
+        assert "\x1b" not in message and "\u2028" not in message
+        assert [m.id for m in srv.client().models.list().data] == [MODEL, "alpha"]
+    finally:
+        assert srv.post(LOAD, {"lora_name": "beta", "lora_path": str(adapters["beta"])}).status_code == 200
+
+
+def test_load_of_hostile_paths_is_a_400_and_frees_the_route(srv, adapters, tmp_path):
+    """A FIFO or /dev/zero in an adapter file's place, or a path too long for the file system, is a
+    400 at once: the read never blocks while the adapter lock is held, so the next load goes on."""
+    fifo_config = tmp_path / "fifo_config"
+    shutil.copytree(adapters["beta"], fifo_config)
+    (fifo_config / "adapter_config.json").unlink()
+    os.mkfifo(fifo_config / "adapter_config.json")
+    zero_weights = tmp_path / "zero_weights"
+    shutil.copytree(adapters["beta"], zero_weights)
+    (zero_weights / "adapter_model.safetensors").unlink()
+    (zero_weights / "adapter_model.safetensors").symlink_to("/dev/zero")
+    cases = [(fifo_config, "a FIFO"), (zero_weights, "a device"), (tmp_path / ("x" * 300), "too long"),
+             (tmp_path / ("x" * 300) / "adapter", "too long")]
+    assert srv.post(UNLOAD, {"lora_name": "beta"}).status_code == 200
+    try:
+        for path, needle in cases:
+            try:
+                r = httpx.post(srv.url + LOAD, json={"lora_name": "delta", "lora_path": str(path)},
+                               headers=srv.headers, timeout=10)
+            finally:  # a reader stuck opening the FIFO (the bug) gets EOF
+                try:
+                    os.close(os.open(fifo_config / "adapter_config.json", os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+            message = _error(r, 400, "invalid_lora_adapter")
+            assert needle in message and r.json()["error"]["param"] == "lora_path", message
+    finally:
+        r = httpx.post(srv.url + LOAD, json={"lora_name": "beta", "lora_path": str(adapters["beta"])},
+                       headers=srv.headers, timeout=10)
+        assert r.status_code == 200, r.text
+    assert [m.id for m in srv.client().models.list().data] == [MODEL, "alpha", "beta"]
+
+
 def test_adapter_routes_need_the_key(srv, adapters):
     body = {"lora_name": "delta", "lora_path": str(adapters["alpha"])}
     for path, headers in ((LOAD, {}), (LOAD, {"Authorization": "Bearer wrong"}), (UNLOAD, {})):
@@ -272,6 +322,65 @@ def test_run_with_lora(capsys, lora_case, reference, tmp_path):
         code, out, err = run_cli(capsys, "run", lora_case.artifact, "--lora", bad, "--prompt-ids", "1,2",
                                  "--threads", 1)
         assert_one_error(code, err, str(bad))
+        assert out == ""
+
+
+def hostile_adapters(adapters, root):
+    """(adapter path, words of its one error line): FIFOs, a /dev/zero link, a directory in a file's
+    place, over-long paths: each refused at once, none read or waited on."""
+    def copy(name, file, kind):
+        d = shutil.copytree(adapters["alpha"], root / name)
+        (d / file).unlink()
+        if kind == "fifo":
+            os.mkfifo(d / file)
+        elif kind == "zero":
+            (d / file).symlink_to("/dev/zero")
+        else:
+            (d / file).mkdir()
+        return d
+
+    fifo_dir = root / "fifo_dir"
+    os.mkfifo(fifo_dir)
+    return [(copy("fifo_config", "adapter_config.json", "fifo"), "a FIFO, not a regular file"),
+            (copy("fifo_weights", "adapter_model.safetensors", "fifo"), "a FIFO, not a regular file"),
+            (copy("zero_config", "adapter_config.json", "zero"), "a device, not a regular file"),
+            (copy("zero_weights", "adapter_model.safetensors", "zero"), "a device, not a regular file"),
+            (copy("dir_weights", "adapter_model.safetensors", "dir"), "a directory, not a regular file"),
+            (fifo_dir, "not a directory"),
+            (root / ("x" * 300), "too long"),
+            (root.joinpath(*["d" * 200] * 25), "too long")]
+
+
+def unblock_fifos(root):
+    """Open every FIFO under ``root`` for writing: a reader stuck opening one (the bug) gets EOF."""
+    for fifo in [p for p in root.rglob("*") if p.is_fifo()]:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def run_cli_within(capsys, seconds, root, *argv):
+    """``run_cli``, failing (and unblocking any FIFO under ``root``) if it has not returned in ``seconds``."""
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(result=run_cli(capsys, *argv)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        unblock_fifos(root)
+        worker.join(10)
+        pytest.fail(f"graphkiln {argv[0]} was still running after {seconds} s (blocked reading the adapter)")
+    return box["result"]
+
+
+def test_run_and_serve_refuse_hostile_adapters_at_once(capsys, no_serving, lora_case, tmp_path):
+    """``run --lora DIR`` and ``serve --lora NAME=DIR``: every hostile adapter path is one error line
+    naming what is wrong, promptly (the reads never block)."""
+    for i, (path, words) in enumerate(hostile_adapters(lora_case.adapters, tmp_path)):  # each command every other one
+        argv = (["run", lora_case.artifact, "--lora", path, "--prompt-ids", "1,2", "--threads", 1] if i % 2 else
+                ["serve", lora_case.artifact, "--port", 0, "--threads", 1, "--lora", f"a={path}"])
+        code, out, err = run_cli_within(capsys, 20, tmp_path, *argv)
+        assert_one_error(code, err, words)
         assert out == ""
 
 

@@ -50,7 +50,7 @@ LoRA adapters (an artifact exported with ``--lora-rank``): a request's ``model``
 model's name or a loaded adapter's, which becomes ``GenerationConfig(adapter=...)``; the engine's
 ``adapter_names()`` is what is served. Loads and unloads through the routes run in a worker
 thread, one at a time, and never evict a served adapter (all slots taken: 409); unloading one that
-running requests use is a 409 too.
+queued or running requests use is a 409 too.
 
 ``GET /openapi.json`` is FastAPI's OpenAPI document of these routes, with the request bodies as
 the routes parse them (strict, no unknown fields, the served names as the only ``model`` values)
@@ -182,9 +182,17 @@ class ServerState:
                            "permission_error", code="lora_updates_disabled")
 
     def load_adapter(self, name: str, path: str) -> None:
-        """In a worker thread: ``Engine.load_adapter`` with its refusals as ApiErrors. Never evicts
-        a served adapter: with every slot holding one, a 409 (unload one first)."""
+        """In a worker thread: ``Engine.load_adapter`` with its refusals as ApiErrors: a name the
+        CLI would refuse is a 400 about ``lora_name``, a refused adapter one about ``lora_path``
+        (reading it never blocks: ``runtime.lora.adapter_dir``). Never evicts a served adapter:
+        with every slot holding one, a 409 (unload one first)."""
+        from graphkiln.runtime.lora import check_adapter_name
+
         self.needs_lora()
+        try:  # the CLI's rule (serve --lora NAME=DIR); checked first, so it is reported as lora_name's
+            check_adapter_name(name)
+        except GraphkilnError as exc:
+            raise ApiError(400, str(exc), param="lora_name", code="invalid_lora_name") from None
         if name == self.options.model_name:
             raise ApiError(400, f"lora_name '{_clip(name, 80)}' is the base model's name: choose another",
                            param="lora_name", code="invalid_lora_name")
@@ -208,7 +216,8 @@ class ServerState:
             self._adapter_info[name] = (path, int(time.time()))
 
     def unload_adapter(self, name: str) -> None:
-        """In a worker thread: ``Engine.unload_adapter``; unknown name 404, in use 409."""
+        """In a worker thread: ``Engine.unload_adapter``; unknown name 404, in use by queued or
+        running requests 409 (they hold it from submission: unloading it would fail them)."""
         self.needs_lora()
         with self._adapters_lock:
             if name not in self.adapter_names():
