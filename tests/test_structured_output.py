@@ -11,6 +11,7 @@ each request alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -149,20 +150,21 @@ def _lark_chain(limit: int) -> str:
         name = following
 
 
-def _ref_chain(count: int, body) -> dict:
-    names = list(zip(range(count + 1), _names()))
-    defs = {n: body({"$ref": f"#/$defs/{names[i + 1][1]}"}) for i, n in names[:-1]}
-    defs[names[-1][1]] = {"type": "integer"}
-    return {"$ref": f"#/$defs/{names[0][1]}", "$defs": defs}
-
-
 def _fitting(limit: int, body) -> dict:
-    """The longest ``_ref_chain`` whose compact JSON fits ``limit`` characters."""
-    lo, hi = 1, limit // 10
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if len(json.dumps(_ref_chain(mid, body), separators=(",", ":"))) <= limit else (lo, mid)
-    return _ref_chain(lo, body)
+    """The longest chain of ``$defs`` (each ``body(a $ref to the next)``, the last an integer) whose
+    compact JSON fits ``limit`` characters."""
+    compact = functools.partial(json.dumps, separators=(",", ":"))
+    names = _names()
+    name = first = next(names)
+    defs, size = {}, len(compact({"$ref": f"#/$defs/{first}", "$defs": {}}))
+    while True:
+        following = next(names)
+        entry = body({"$ref": f"#/$defs/{following}"})
+        cost = len(compact({name: entry})) - 1  # '"name":{...}' and its comma
+        if size + cost + len(compact({following: {"type": "integer"}})) > limit:
+            defs[name] = {"type": "integer"}
+            return {"$ref": f"#/$defs/{first}", "$defs": defs}
+        defs[name], size, name = entry, size + cost, following
 
 
 _HOSTILE = r"""
