@@ -191,6 +191,33 @@ def test_chat_template_refusals(tmp_path, source, needle):
     assert "\n" not in msg and (needle in msg or needle == type(err.value).__name__), msg
 
 
+def test_a_hostile_chat_template_is_a_400_and_never_wedges_the_server(tok_case, artifact_copy):
+    """Issue 37: a template that loops for hours (nested range(99999) loops), sent by more clients
+    than the server has preparation workers, pinned every worker for good: completions and
+    tokenize hung behind it while /health said 200, and the server would not stop. Each render
+    is now a 400 after its deadline (RENDER_SECONDS), the other routes answer meanwhile, and the
+    server stops at once afterwards (serving() checks that it stopped)."""
+    from graphkiln.runtime.request.chat_template import RENDER_SECONDS
+    from graphkiln.serve.admission import SMALL_WORKERS
+
+    art = add_chat_template(artifact_copy(tok_case), "{% for i in range(99999) %}{% for j in range(99999) %}"
+                                                     "{% endfor %}{% endfor %}")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serving(art) as running, ThreadPoolExecutor(SMALL_WORKERS + 1) as pool:
+        start = time.monotonic()
+        hostile = [pool.submit(running.post, "/v1/chat/completions", chat) for _ in range(SMALL_WORKERS + 1)]
+        time.sleep(0.3)  # the renders have begun
+        assert httpx.get(running.url + "/health", timeout=5).status_code == 200
+        assert running.post("/tokenize", {"prompt": "hi"}).status_code == 200
+        assert running.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert time.monotonic() - start < RENDER_SECONDS + 5  # behind one deadline at most, not forever
+        for future in hostile:
+            r = future.result()
+            assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template", r.text
+            assert "did not finish rendering" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 2 * RENDER_SECONDS + 10
+
+
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, models
 
