@@ -17,6 +17,7 @@ from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.untrusted import show
+from graphkiln.untrusted import show
 
 
 def _export(args) -> int:
@@ -27,7 +28,7 @@ def _export(args) -> int:
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
         quant_symmetric=args.quant_scheme == "sym", quant_method=args.quant_method, stages=args.stages, stage_layers=args.stage_layers,
         return_hidden_states=args.return_hidden_states, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-        max_loras=args.max_loras))
+        max_loras=ExportOptions.max_loras if args.max_loras is None else args.max_loras))
     return 0
 
 
@@ -197,6 +198,47 @@ def _add_ray_flags(p) -> None:
                    help="with --distributed ray: per stage, the artifact directory as that stage's node sees it")
     p.add_argument("--stage-nodes", default=None, metavar="N0,N1,...",
                    help="with --distributed ray: per stage, the Ray node (id or IP address) that must run it")
+
+
+# (flag, its argparse dest, the flag it only means something with, that flag's dest, what it does): given
+# without that flag it would be accepted and do nothing
+_NEEDS = (
+    ("--draft-cost", "draft_cost", "--draft", "draft", "sets the cost of a --draft model's step"),
+    ("--max-loras", "max_loras", "--lora-rank", "lora_rank", "sizes the adapter slots of --lora-rank"),
+)
+_SAMPLING_FLAGS = (("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"))
+
+
+def _refuse_flags_without_their_parent(args) -> None:
+    """Refuse, in one line naming both flags, a flag given where it would do nothing: without the
+    flag it only means something with (``_NEEDS``, ``--speculative draft`` without ``--draft``), or
+    beside one that overrides it (sampling flags with ``--greedy`` or ``--temperature 0``,
+    ``--logprobs`` with ``--stream``, run's and chat's ``--draft`` with another speculation). Every
+    command's flags are checked here, before anything is loaded; ``--system`` without ``--chat``,
+    the Ray flags and the prefix-cache flags are checked where they are read."""
+    for flag, dest, parent, parent_dest, what in _NEEDS:
+        if getattr(args, dest, None) is not None and getattr(args, parent_dest, None) is None:
+            raise GraphkilnError(f"{flag} {what}, and no {parent} was given: add {parent}, or drop {flag}")
+    sampling = [flag for flag, dest in _SAMPLING_FLAGS if getattr(args, dest, None) is not None]
+    if getattr(args, "greedy", False) and [f for f in sampling if f != "--temperature" or args.temperature > 0]:
+        raise GraphkilnError(f"{sampling[0]} shapes sampling, which --greedy turns off: drop one")
+    if getattr(args, "temperature", None) == 0 and [f for f in sampling if f != "--temperature"]:
+        shaping = next(f for f in sampling if f != "--temperature")
+        raise GraphkilnError(f"{shaping} shapes sampling, which --temperature 0 turns off: drop one")
+    if getattr(args, "logprobs", None) is not None and getattr(args, "stream", False):
+        raise GraphkilnError("--logprobs prints each token's log-probabilities once generation ends, which --stream "
+                             "does not wait for: drop one")
+    if getattr(args, "speculative", None) is not None:
+        from graphkiln.runtime.request.speculate import parse_speculative
+
+        chosen = parse_speculative(args.speculative)  # a bad value: one line, before the load
+        source = chosen[0] if chosen else "off"
+        if source == "draft" and args.draft is None:
+            raise GraphkilnError(f"--speculative {show(args.speculative, 40)} verifies a draft model's tokens, and no "
+                                 "--draft was given: add --draft DIR, or use --speculative ngram")
+        if source != "draft" and args.draft is not None and args.command in ("run", "chat"):
+            raise GraphkilnError(f"--draft loads a draft model that --speculative {show(args.speculative, 40)} does "
+                                 "not use: use --speculative draft[:K], or drop --draft")
 
 
 def _check_utf8(flag: str, text: str | None) -> None:
@@ -438,8 +480,8 @@ def _demo(args) -> int:
 # Top-level modules graphkiln imports that an extra of pyproject.toml brings, not the base install
 # (which is all `pip install graphkiln` gives): a command needing one names the extra to install.
 _EXTRA_OF = {"torch": "export", "transformers": "export", "safetensors": "export", "onnx": "export",
-             "onnxscript": "export", "triton": "tensorrt", "tensorrt": "tensorrt", "tensorrt_bindings": "tensorrt",
-             "cuda": "cuda", "ray": "distributed"}
+             "onnxscript": "export", "regex": "export", "triton": "tensorrt", "tensorrt": "tensorrt",
+             "tensorrt_bindings": "tensorrt", "cuda": "cuda", "ray": "distributed"}
 
 
 class StdoutFailed(Exception):
@@ -551,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter rank accepted) become graph inputs, each request choosing its adapter or none")
     e.add_argument("--lora-targets", default=None, metavar="q,k,v,o,gate,up,down",
                    help="the projections adapters may change (default: all of these the model has)")
-    e.add_argument("--max-loras", type=int, default=4, metavar="N",
+    e.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="adapter slots loaded at once (default 4; least recently used replaced)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     e.set_defaults(fn=_export)
@@ -692,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                 _flush_stdout()
                 return exc.code if isinstance(exc.code, int) else 2
             try:
+                _refuse_flags_without_their_parent(args)
                 code = args.fn(args)
                 _flush_stdout()  # what is still buffered fails here, not at the interpreter's exit
                 return code

@@ -147,6 +147,8 @@ CASES: dict[str, tuple[Callable[[Env], None], Callable[[Env], list], tuple[str, 
     "prefix-cache-bad-size": (lambda e: None, lambda e: _run(e, "--prefix-cache-bytes", "2X"), ("--prefix-cache-bytes",)),
     "prefix-cache-off-and-sized": (lambda e: None, lambda e: _run(e, "--no-prefix-cache", "--prefix-cache-bytes", "1G"),
                                    ("--no-prefix-cache",)),
+    "draft-cost-without-draft": (lambda e: None, lambda e: _run(e, "--draft-cost", "0.5"),
+                                 ("--draft-cost", "--draft")),
     "verify-zero-steps": (lambda e: None, lambda e: ["verify", e.art, "--reference", e.ckpt, "--steps", "0"],
                           ("--steps",)),
     # -- untrusted manifests --

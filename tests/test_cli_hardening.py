@@ -150,6 +150,44 @@ def test_bytes_are_not_taken_as_token_ids(llama_case, prompt):
         llama_case.engine.generate(prompt, GenerationConfig(max_new_tokens=1))
 
 
+# -- flags that only mean something with another ------------------------------------------------------
+
+_WRONG_DIGEST = ("--expect-digest", "0" * 64)  # the old code refused this at load: every case ends fast either way
+DEPENDENT_FLAGS = {
+    "run-draft-cost": (["run", "{art}", "--prompt-ids", "3,4", "--draft-cost", "0.5"], ("--draft-cost", "--draft")),
+    "chat-draft-cost": (["chat", "{art}", "--draft-cost", "0"], ("--draft-cost", "--draft")),
+    "serve-draft-cost": (["serve", "{art}", "--port", "0", "--draft-cost", "2"], ("--draft-cost", "--draft")),
+    "export-max-loras": (["export", "{ckpt}", "-o", "{out}", "--max-loras", "2", "--quant", "int4",
+                          "--quant-block-size", "24"], ("--max-loras", "--lora-rank")),
+    "run-speculative-draft": (["run", "{art}", "--prompt-ids", "3,4", "--speculative", "draft:3"],
+                              ("--speculative 'draft:3'", "--draft")),
+    "serve-speculative-draft": (["serve", "{art}", "--port", "0", "--speculative", "draft"],
+                                ("--speculative 'draft'", "--draft")),
+    "run-draft-with-ngram": (["run", "{art}", "--prompt-ids", "3,4", "--draft", "{art}", "--speculative", "ngram"],
+                             ("--draft", "--speculative 'ngram'")),
+    "chat-draft-with-off": (["chat", "{art}", "--draft", "{art}", "--speculative", "off"],
+                            ("--draft", "--speculative 'off'")),
+    "run-greedy-top-k": (["run", "{art}", "--prompt-ids", "3,4", "--greedy", "--top-k", "5"], ("--top-k", "--greedy")),
+    "chat-greedy-temperature": (["chat", "{art}", "--greedy", "--temperature", "0.7"], ("--temperature", "--greedy")),
+    "run-temperature-0-top-p": (["run", "{art}", "--prompt-ids", "3,4", "--temperature", "0", "--top-p", "0.9"],
+                                ("--top-p", "--temperature 0")),
+    "run-stream-logprobs": (["run", "{art}", "--prompt-ids", "3,4", "--stream", "--logprobs", "2"],
+                            ("--logprobs", "--stream")),
+}
+
+
+@pytest.mark.parametrize("case", DEPENDENT_FLAGS)
+def test_a_flag_that_would_do_nothing_is_refused(llama_case, capsys, tmp_path, case):
+    """A flag given without the flag it only means something with, or beside one that overrides it,
+    was accepted and silently did nothing (``--draft-cost`` without ``--draft``): it is one line
+    naming both flags, before anything is loaded."""
+    argv, needles = DEPENDENT_FLAGS[case]
+    argv = [a.format(art=llama_case.artifact, ckpt=llama_case.checkpoint, out=tmp_path / "out") for a in argv]
+    code, out, err = run_cli(capsys, *argv, *(_WRONG_DIGEST if argv[0] != "export" else ()))
+    assert_one_error(code, err, *needles, alone=True)
+    assert out == "" and not (tmp_path / "out").exists()
+
+
 # -- verify against another checkpoint ----------------------------------------------------------------
 
 @pytest.mark.parametrize("vocab", [300, 321])
