@@ -51,6 +51,7 @@ CONFIG_FILE = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB; this only bounds what an artifact can make us compile
 RENDER_SECONDS = 2.0  # real templates render in milliseconds, an 8 MiB message in well under 0.1 s
 MAX_RENDER_CHARS = 1 << 24  # twice the largest request body; no artifact's context holds such a prompt
+TRANSFER_BYTES_PER_S = 8 << 20  # added to the deadline for the messages' trip through the worker (~0.4 s for 8 MiB)
 SPAWN_SECONDS = 30.0  # a worker's start (python and jinja2 imported), outside the render's deadline
 IDLE_WORKERS = 4
 FIX = "fix or remove the artifact's chat template (chat_template.jinja, or chat_template in tokenizer_config.json)"
@@ -105,7 +106,7 @@ class ChatTemplate:
             raw = config.get("chat_template")
             if isinstance(raw, list):  # named templates: [{"name": "default", "template": "..."}, ...]
                 raw = next((t.get("template") for t in raw if isinstance(t, dict) and t.get("name") == "default"), None)
-            if isinstance(raw, str) and len(raw.encode()) <= MAX_TEMPLATE_BYTES:
+            if isinstance(raw, str):  # its size is from_source's to check
                 source = raw
             elif raw is not None:
                 problem = f"the chat_template in its {CONFIG_FILE} is not a template string"
@@ -200,12 +201,15 @@ class _Worker:
     @classmethod
     def call(cls, request: bytes, seconds: float, limit: int) -> dict | str:
         """The reply to ``request`` from an idle worker (or a new one), or "late" (no full reply
-        within ``seconds``) or "died" (it ended, or its reply frame is over ``limit`` bytes)."""
+        within ``seconds`` and the request's transfer time) or "died" (it ended, or its reply
+        frame is over ``limit`` bytes)."""
         with cls._lock:
             worker = cls._idle.pop() if cls._idle else None
         if worker is None or worker.proc.poll() is not None:
             worker = cls()
-        deadline = time.monotonic() + seconds
+        # the messages go to the worker and come back rendered: time in proportion to their size,
+        # which no template controls, is added so a long legitimate message is never "late"
+        deadline = time.monotonic() + seconds + len(request) / TRANSFER_BYTES_PER_S
         reply = "died"
         try:
             worker._write(request)
