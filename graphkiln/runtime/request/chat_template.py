@@ -269,3 +269,5 @@ class _Worker:
 
 
 atexit.register(_Worker.close_all)
+# a forked child must not share its parent's workers (two processes on one pipe); it starts its own
+os.register_at_fork(after_in_child=lambda: setattr(_Worker, "_idle", []))
