@@ -241,3 +241,80 @@ def test_release_keeping_tail_keeps_the_last_slots_last():
     assert pool.release_keeping_tail(0, tail=0) == [(2, 0)]
     with pytest.raises(RuntimeError):
         pool.release_keeping_tail(1, tail=1)  # the tail itself
+
+
+# What is in flight when a short request arrives (issue 37, fairness): prompt lengths, settings, and
+# whether the prompts are one submission (the server's multi-prompt completion). The step budget is 24
+# tokens over 4 slots; "scored" prompts want only their prompt log-probabilities (echo, max_tokens 0).
+IN_FLIGHT = {
+    "many long prompts, scored": ((40,) * 6, dict(max_new_tokens=0, prompt_logprobs=1), True),
+    "many short prompts": ((12,) * 10, dict(max_new_tokens=1), True),
+    "many short prompts, scored": ((9,) * 10, dict(max_new_tokens=0, prompt_logprobs=1), True),
+    "one long prompt": ((100,), dict(max_new_tokens=6), False),
+    "one long prompt, scored": ((110,), dict(max_new_tokens=0, prompt_logprobs=2), False),
+}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "cached-prefix"])
+@pytest.mark.parametrize("hog", list(IN_FLIGHT))
+def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog, cached):
+    """One submission's prefill, however long or however many prompts, scored or generating,
+    must not hold back a short request that arrives while it runs: the short one (fresh, or
+    starting from cached blocks) is admitted at the first step after it was submitted (steps
+    counted, not timed), and every request's tokens and prompt log-probabilities equal the
+    request run alone."""
+    lengths, settings, grouped = IN_FLIGHT[hog]
+    case = tiny("llama_gqa_bias")
+    engine = Engine.load(case.artifact, prefix_block_size=4, threads=1)
+    prompts = case.prompts(lengths, salt=96)
+    cfg = GenerationConfig(do_sample=False, stop_token_ids=(), **settings)
+    prefix, tail = case.prompts((8, 3), salt=97)
+    short = prefix + tail
+    ref = Engine.load(case.artifact, prefix_cache=False, threads=1)  # caches nothing the test then reuses
+    alone = [ref.generate(p, cfg)[0] for p in prompts]
+    short_alone = engine_alone(ref, short, 4)
+
+    sched = Scheduler(engine, max_batch=4, step_tokens=24)  # the short prompt fits half of it
+    steps, arrived, box = [], [], {}
+    plan, run = sched._batch.plan, engine.decoder.run
+
+    def counting_plan(waiting):  # under the scheduler's lock
+        p = plan(waiting)
+        steps.append([r.index for r in p.starting])
+        return p
+
+    def arriving_run(*args, **kwargs):  # the stepping thread, outside the lock: a submit may come in
+        out = run(*args, **kwargs)
+        if hog_handles and not box and len(steps) >= 2:
+            box["short"] = sched.submit(short, _greedy(4))
+            arrived.append(len(steps))
+        return out
+
+    sched._batch.plan = counting_plan
+    engine.decoder.run = arriving_run
+    sched.start()
+    try:
+        hog_handles = []
+        if cached:  # the short prompt's first 8 tokens are in cached blocks before anything else runs
+            assert sched.submit(prefix + [5], _greedy(1)).result(timeout=60).token_ids
+        key = object()
+        hog_handles += [sched.submit(p, cfg, group=key if grouped else None) for p in prompts]
+        results = [h.result(timeout=120) for h in hog_handles]
+        got = box["short"].result(timeout=60)
+    finally:
+        sched.shutdown(10)
+
+    admitted = next(i for i, ids in enumerate(steps) if box["short"].id in ids)
+    assert admitted == arrived[0], (hog, steps)  # steps[arrived[0]] is the first plan after the submit
+    hog_ids = {h.id for h in hog_handles}
+    assert any(hog_ids & set(ids) for ids in steps[admitted + 1:])  # it arrived while the hog was prefilling
+    assert got.token_ids == short_alone
+    if cached:
+        assert sched.stats().prefix.hit_tokens >= 8
+    for r, a in zip(results, alone):
+        assert r.token_ids == a.token_ids and r.finish_reason == a.finish_reason
+        if a.prompt_logprobs is not None:
+            assert [lp and lp.token_id for lp in r.prompt_logprobs] == [lp and lp.token_id for lp in a.prompt_logprobs]
+            np.testing.assert_allclose([lp.logprob for lp in r.prompt_logprobs[1:]],
+                                       [lp.logprob for lp in a.prompt_logprobs[1:]], atol=1e-4)
+    assert engine.pool.live == 0

@@ -404,7 +404,9 @@ class _Group:
 
 def _prepare_completion(state: ServerState, body: bytes):
     """In a lane worker: the parsed request and its choices' scheduler handles. Every prompt is
-    checked before any is submitted; a refusal of a later one (queue full) cancels the earlier."""
+    checked before any is submitted; a refusal of a later one (queue full) cancels the earlier.
+    The prompts are submitted as one group, served as one submission beside others
+    (``Scheduler.submit``): a request with many prompts delays a later one as one prompt would."""
     req = _parse(S.CompletionRequest, body)
     adapter = state.resolve_model(req.model)
     constraint = _constraint(req, state)
@@ -423,7 +425,7 @@ def _prepare_completion(state: ServerState, body: bytes):
     group = _Group([])
     try:
         for prompt, param in ready:
-            group.handles.append(_submit(state, prompt, config, param, constraint))
+            group.handles.append(_submit(state, prompt, config, param, constraint, group=group))
     except BaseException:
         group.cancel()
         raise
@@ -644,15 +646,16 @@ def _refused_constraint(exc: GraphkilnError, constraint: S.OutputConstraint) -> 
 
 
 def _submit(state: ServerState, prompt, config: GenerationConfig, param: str,
-            constraint: S.OutputConstraint | None = None):
-    """``Scheduler.submit`` (in a lane worker: a constraint's grammar is compiled there) with its
+            constraint: S.OutputConstraint | None = None, group: object = None):
+    """``Scheduler.submit`` (in a lane worker: a constraint's grammar is compiled there; ``group``
+    the submission's key, as there) with its
     refusals as ApiErrors; the engine's refusal of ``constraint`` (its line starts with the
     config's field name) names the request's field."""
     from graphkiln.runtime.request.scheduler import QueueFull, ShuttingDown
 
     _check_open(state)
     try:
-        return state.scheduler.submit(prompt, config)
+        return state.scheduler.submit(prompt, config, group=group)
     except QueueFull as exc:
         raise ApiError(429, f"{exc}", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

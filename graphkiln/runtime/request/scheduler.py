@@ -1,10 +1,21 @@
 """Serving one Engine to many callers: ``Scheduler`` (a stepping thread driving
 ``request.step.StepBatch`` over requests submitted from any thread) and ``RequestHandle``
-(one submitted request, as its submitter sees it)."""
+(one submitted request, as its submitter sees it).
+
+Fairness. Waiting requests are served fairly across *submissions* (``FairQueue``): the prompts
+one caller submits together (``submit(..., group=key)``: the server's multi-prompt completion)
+are served as one submission, the one that has had the fewest taken first, so a request
+arriving after 64 of them is next in line, not 65th. With the step's sharing of its budget
+(``StepBatch.plan``: the request mid-prefill keeps at most half while others wait, and whole
+prompts that fit the rest are admitted beside it) a short request starts at the first step
+after it arrives that has a free slot, whatever long or many prompts are in flight.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import threading
 import time
 from collections import deque
@@ -21,6 +32,51 @@ from graphkiln.runtime.requests import GenerationConfig, GenerationResult, Token
 
 if TYPE_CHECKING:
     from graphkiln.runtime.engine import Engine
+
+class FairQueue:
+    """The waiting requests in the order they are served: the group (the prompts of one
+    submission) that has had the fewest requests taken from it goes first, the earlier-arrived
+    one on a tie; first come first served within a group. So single requests are served in
+    arrival order, a request arriving while a many-prompt submission is admitted goes before that
+    submission's remaining prompts, and two such submissions alternate. Iteration gives the order
+    in which ``StepBatch.plan`` looks at them (as if each taken in turn); ``remove`` (a request
+    admitted or cancelled) counts as one taken from its group."""
+
+    def __init__(self) -> None:
+        self._groups: dict[object, list] = {}  # key -> [taken, arrival, deque of requests]
+        self._group_of: dict[int, object] = {}  # id(request) -> its group's key
+        self._arrivals = itertools.count()
+
+    def append(self, r: RequestState, group: object) -> None:
+        if group not in self._groups:
+            self._groups[group] = [0, next(self._arrivals), deque()]
+        self._groups[group][2].append(r)
+        self._group_of[id(r)] = group
+
+    def remove(self, r: RequestState) -> None:
+        key = self._group_of.pop(id(r))
+        entry = self._groups[key]
+        entry[2].remove(r)
+        entry[0] += 1
+        if not entry[2]:
+            del self._groups[key]
+
+    def __iter__(self) -> Iterator[RequestState]:
+        heap = [(taken, arrival, list(q)) for taken, arrival, q in self._groups.values()]
+        heapq.heapify(heap)
+        while heap:
+            taken, arrival, q = heapq.heappop(heap)
+            yield q[0]
+            if len(q) > 1:
+                heapq.heappush(heap, (taken + 1, arrival, q[1:]))
+
+    def __len__(self) -> int:
+        return len(self._group_of)
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._group_of.clear()
+
 
 class QueueFull(GraphkilnError):
     """``submit`` while ``max_queue`` requests are already waiting for a slot."""
@@ -196,7 +252,7 @@ class Scheduler:
         self.step_tokens = step_tokens
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiting: deque[RequestState] = deque()
+        self._waiting = FairQueue()
         self._next_id = 0
         self._stopping = False  # no more submits (shutdown began, or the stepping thread ended)
         self._shut = False  # shutdown was called (the engine is released once)
@@ -238,11 +294,14 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="graphkiln-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt, config: GenerationConfig | None = None, *, images=None) -> RequestHandle:
+    def submit(self, prompt, config: GenerationConfig | None = None, *, images=None,
+               group: object = None) -> RequestHandle:
         """Queue one prompt (text or token ids; ``images`` its images as for ``Engine.generate``).
         Validation happens here, synchronously (GraphkilnError, one line); nothing here waits
         for the model. Raises QueueFull when ``max_queue`` requests wait, ShuttingDown once
-        ``shutdown`` began."""
+        ``shutdown`` began. ``group``: a key (hashable) shared by the prompts of one submission,
+        which then take turns with other submissions as one (module docstring); None: a
+        submission of its own."""
         with self._lock:
             self._check_open()
         engine = self.engine
@@ -267,7 +326,7 @@ class Scheduler:
                 if r.constraint is not None:
                     r.constraint.close()
                 raise r.error
-            self._waiting.append(r)
+            self._waiting.append(r, group if group is not None else object())
             self._cond.notify_all()
         return handle
 
@@ -334,7 +393,7 @@ class Scheduler:
                 for r in plan.cancelled:
                     self._hand_over(r)
                 try:
-                    if plan.prefill:
+                    if plan.starting:
                         self._encode_new(plan)
                     stepped = b.execute(plan)
                 except Exception as exc:  # the runner failed: this step's requests fail, others are not in it
@@ -342,7 +401,7 @@ class Scheduler:
                         f"the decoder failed ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
                         "the request was dropped; if this repeats, re-export the artifact or lower max_batch")
                     stepped = []
-                    for r in plan.decode + plan.prefill:
+                    for r in plan.requests:
                         if r.finish_reason is None:
                             r.error, r.finish_reason = err, "error"
                         stepped.append(r)
@@ -366,7 +425,7 @@ class Scheduler:
     def _encode_new(self, plan: Plan) -> None:
         """Image rows of the requests this step starts (vision graph or cache), before they run;
         a request whose images fail leaves without running."""
-        new = [r for r in plan.prefill if r.images]  # not encoded yet
+        new = [r for r in plan.starting if r.images]  # not encoded yet
         if not new:
             return
         for r in new:
@@ -377,15 +436,10 @@ class Scheduler:
                     f"encoding the images failed ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
                     "check the images")
                 r.error, r.finish_reason = err, "error"
-        failed = [r for r in plan.prefill if r.error is not None]
+        failed = [r for r in new if r.error is not None]
         if failed:
-            # released now, so the rest of the group stays contiguous after the decode rows
-            # (a release moves the last slot into the hole: the group's order may change)
-            end_of = {id(r): e for r, e in zip(plan.prefill, plan.ends)}
             with self._lock:
-                self._batch.retire()
-                plan.prefill = self._batch.rows[len(plan.decode):]
-            plan.ends = [end_of[id(r)] for r in plan.prefill]
+                self._batch.drop(plan, failed)
             for r in failed:
                 self._hand_over(r)
 

@@ -3,31 +3,35 @@
 One step is one cycle a reader can follow (``StepBatch.plan`` then ``StepBatch.execute`` then
 ``StepBatch.retire``):
 
-1. **admit**: cancelled requests leave; waiting requests are taken, first come first served,
-   while there is a free slot and token budget (``step_tokens``: each decoding row costs one
-   token, a prefill chunk its padded length);
+1. **admit**: cancelled requests leave; waiting requests are taken in the queue's order while
+   there is a free slot and token budget (``step_tokens``: each decoding row costs one token, a
+   prefill its padded length), shared so that no prompt holds back others for more than a step
+   (``StepBatch.plan``);
 2. **claim or reuse**: each admitted request claims a state-pool slot (``runtime.backends.state``),
    which is its batch row; one whose prompt starts with cached blocks (``request.prefix``) has
-   them copied into its slot and is prefilled alone from there, and a request sharing its first
-   block with one this step computes waits a step to reuse it;
+   them copied into its slot and is prefilled in a run of its own from there, and a request
+   sharing its first block with one this step computes waits a step to reuse it;
 3. **pack**: the decode rows' last tokens, the prefill chunk's prompt slice, per-token extras
    (``runtime.prompt_layout``) and image rows inside the chunk (``runtime.backends.vision``);
-4. **run**: the decoder over the decode rows, then over the prefill rows (two runs; see below);
+4. **run**: the decoder over the decode rows, then over the prefill rows (see below);
 5. **sample**: each row's next token, from the graph's folded argmax (``next_token``) when every
    row of the run is greedy without log-probabilities, else from its logits;
 6. **commit**: tokens, text, stops, events;
 7. **release**: finished, failed and cancelled requests free their slots at once.
 
-Slot arrangement. Live slots are packed ``0..live-1`` (``PackedSlots``). Decoding requests hold
-``[0, d)``; at most one request is mid-prefill (a long prompt in chunks), and it holds the last
-slot; a step's new requests whose whole prompts fit the budget claim ``[d, d+g)`` and are
-prefilled together, with no past. So the decode run and the prefill run each cover a
-contiguous range of slots (views of the pool, no copies), and no run ever has a batch > 1 with
-seq > 1 over a non-empty cache, which onnxruntime's GroupQueryAttention refuses: a chunk after
-the first runs alone (batch 1), a group of fresh prompts has no past. Mixing decode rows into a
-prefill run would pad every decode row to the chunk length on a dense-batch graph, so two runs
-are also the cheaper arrangement. Releasing a decoding slot while a request is mid-prefill
-keeps that request last (``PackedSlots.release_keeping_tail``).
+Slot arrangement. Live slots are packed ``0..live-1`` (``PackedSlots``). At most one request is
+mid-prefill (a long prompt in chunks); every other live request decodes. A step's new requests
+whose whole prompts fit the budget claim the slots at the end, contiguous, and are prefilled
+together with no past (one run); a chunk of a prompt over past already in its slot (the request
+mid-prefill, or one starting from cached blocks) runs alone (batch 1); the decode rows run as
+one run per contiguous range of their slots (two when the request mid-prefill sits between
+them). So every run covers a contiguous range of slots (views of the pool, no copies), and no
+run ever has a batch > 1 with seq > 1 over a non-empty cache, which onnxruntime's
+GroupQueryAttention refuses. Mixing decode rows into a prefill run would pad every decode row
+to the chunk length on a dense-batch graph, so separate runs are also the cheaper arrangement.
+Releasing a decoding slot while the request mid-prefill is last keeps it last
+(``PackedSlots.release_keeping_tail``), so the decode rows stay one range when nothing was
+admitted beside it.
 
 Backends whose runner cannot run a range of slots that does not start at 0 (the GPU runners:
 no ``first_slot`` parameter) get static batching: waiting requests are admitted only when the
@@ -59,14 +63,28 @@ from graphkiln.runtime.requests import TokenEvent
 
 @dataclass
 class Plan:
-    """One step's work: ``decode`` rows are slots ``[0, len(decode))``; ``prefill`` rows follow
-    them, each covering prompt positions ``[start, end)`` (same ``start`` for a fresh group: 0)."""
+    """One step's work. ``decode`` rows decode one token each (slot order; one run per contiguous
+    range of their slots). ``prefill`` is a group of fresh prompts, whole, on contiguous slots at
+    the end of the batch, run together from position 0 (``ends``: each one's length). Each of
+    ``chunks`` is (request, start, end): that request's prompt positions ``[start, end)`` over
+    the past already in its slot, in a run of its own (a prompt longer than its share of the
+    budget, or one that starts from cached blocks)."""
 
     decode: list[RequestState]
     prefill: list[RequestState]
-    start: int = 0
     ends: list[int] = field(default_factory=list)
+    chunks: list[tuple[RequestState, int, int]] = field(default_factory=list)
     cancelled: list[RequestState] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[RequestState]:
+        """Every request this step runs."""
+        return self.decode + self.prefill + [r for r, _, _ in self.chunks]
+
+    @property
+    def starting(self) -> list[RequestState]:
+        """The requests this step admits or continues prefilling."""
+        return self.prefill + [r for r, _, _ in self.chunks]
 
 
 class StepBatch:
@@ -74,9 +92,8 @@ class StepBatch:
     prompts, in the caller's thread) or ``Scheduler`` (its stepping thread).
 
     Invariants between steps: ``rows[s]`` holds slot s and ``len(rows) == pool.live``; every row
-    but ``partial`` has finished its prefill; ``partial`` (a prompt being prefilled in chunks) is
-    ``rows[-1]``. The pool is sized by the driver before the first step and not while slots
-    are live."""
+    but ``partial`` (a prompt being prefilled in chunks, in any slot) has finished its prefill.
+    The pool is sized by the driver before the first step and not while slots are live."""
 
     def __init__(self, prep: Preparer, runner, pool, *, step_tokens: int | None, joinable: bool,
                  prefix: PrefixCache | None = None) -> None:
@@ -99,10 +116,20 @@ class StepBatch:
 
     # -- admit, claim -----------------------------------------------------------------------
 
-    def plan(self, waiting: deque[RequestState]) -> Plan:
-        """Admit from ``waiting`` (popping what it takes) and claim the new requests' slots.
-        Cancelled requests, running or waiting, finish with "cancelled" here first and are
-        listed in the plan's ``cancelled`` (their slots already released)."""
+    def plan(self, waiting) -> Plan:
+        """Admit from ``waiting`` (removing what it takes; any collection with ``remove``, iterated
+        in the order requests should be served: the Scheduler's is fair across submitters) and
+        claim the new requests' slots. Cancelled requests, running or waiting, finish with
+        "cancelled" here first and are listed in the plan's ``cancelled`` (their slots already
+        released).
+
+        The prefill budget (``step_tokens`` less one token per decoding row) is shared so that no
+        prompt, however long or however many arrive together, holds back the others by more than
+        a step: the request mid-prefill keeps at most half of it while others wait (all of it
+        otherwise), and waiting requests whose whole prompts fit the rest are admitted in queue
+        order, skipping those that do not fit. A prompt that does not fit starts its prefill in
+        chunks only when it comes first in the queue and no other request is mid-prefill; it
+        waits otherwise (one partial prefill at a time)."""
         cancelled = [r for r in self.rows if r.cancel_requested and r.finish_reason is None]
         for r in cancelled:
             finish_cancelled(r)
@@ -113,50 +140,108 @@ class StepBatch:
                 finish_cancelled(r)
                 self._release_adapter(r)
                 cancelled.append(r)
-        decode = self.rows[: len(self.rows) - (self.partial is not None)]
-        budget = math.inf if self.step_tokens is None else self.step_tokens - len(decode)
-        if self.partial is not None:
-            r = self.partial
-            return Plan(decode, [r], r.done, [self._chunk_end(r, r.done, budget)], cancelled)
+        partial = self.partial
+        decode = [r for r in self.rows if r is not partial]
+        if self.step_tokens is None:  # no budget: every whole prompt that has a slot
+            budget = math.inf
+        else:
+            budget = self.step_tokens - len(decode)
+        if not self.joinable:
+            group, ends = self._whole_prompts(waiting, budget, cancelled) if not self.rows else ([], [])
+            return Plan(decode, group, ends, [], cancelled)
+        chunks: list[tuple[RequestState, int, int]] = []
         group: list[RequestState] = []
         ends: list[int] = []
-        longest = 0
+        keep = 0 if partial is None else self._share(len(partial.prompt_ids) - partial.done, budget, bool(waiting))
+        spent = keep  # budget taken so far, the partial's share included
+        longest = 0  # the group's longest prompt: it is padded to that
         firsts: set[bytes] = set()  # the group's first blocks (prefix reuse)
-        if self.joinable or not self.rows:
-            while waiting and self.pool.free_slots > len(group):
-                r = waiting[0]
-                n = len(r.prompt_ids)
-                if r.adapter_slot is None and not self._acquire_adapter(r):
-                    waiting.popleft()
-                    cancelled.append(r)
-                    continue
-                if self.prefix is not None:
-                    hit = self.prefix.find(r)
-                    if hit.tokens:  # a cached prefix: prefilled alone from there, past in its slot
-                        if group:
-                            break
-                        r = waiting.popleft()
-                        r.slot = self.pool.claim()
-                        self.rows.append(r)
-                        self.prefix.restore(r, hit)
-                        return Plan(decode, [r], r.done, [self._chunk_end(r, r.done, budget)], cancelled)
-                    first = self.prefix.first_key(r)
-                    if first is not None and first in firsts:
-                        break  # it shares a prefix with one this step computes: next step reuses it
-                    firsts.add(first)
-                if (len(group) + 1) * max(longest, n) <= budget:
-                    group.append(waiting.popleft())
-                    ends.append(n)
-                    longest = max(longest, n)
-                    continue
-                if not group:  # a long prompt: its first chunk, alone (whole, for a runner that cannot chunk)
-                    group.append(waiting.popleft())
-                    ends.append(self._chunk_end(r, 0, budget) if self.joinable else n)
+        head = True  # the first request the loop considers: the only one that may start a partial prefill
+        for r in list(waiting):
+            if self.pool.free_slots <= len(group):
                 break
+            if r.adapter_slot is None and not self._acquire_adapter(r):
+                waiting.remove(r)
+                cancelled.append(r)
+                continue
+            first_in_queue, head = head, False
+            n = len(r.prompt_ids)
+            hit = self.prefix.find(r) if self.prefix is not None else None
+            if hit is not None and hit.tokens:  # starts from cached blocks: a chunk over that past
+                rest = n - min(hit.tokens, n - 1)
+                if rest <= budget - spent or (first_in_queue and partial is None):
+                    waiting.remove(r)
+                    r.slot = self.pool.claim()
+                    self.rows.append(r)
+                    self.prefix.restore(r, hit)
+                    if rest <= budget - spent:
+                        chunks.append((r, r.done, n))
+                        spent += rest
+                    else:
+                        partial = r
+                        keep = self._share(rest, budget, bool(waiting))
+                        spent += keep
+                continue
+            if self.prefix is not None:
+                key = self.prefix.first_key(r)
+                if key is not None and key in firsts:
+                    continue  # it shares a prefix with one this step computes: a later step reuses it
+            cost = (len(group) + 1) * max(longest, n) - len(group) * longest
+            if cost <= budget - spent:
+                waiting.remove(r)
+                group.append(r)
+                ends.append(n)
+                longest = max(longest, n)
+                spent += cost
+            elif first_in_queue and partial is None:  # a long prompt: its prefill starts, in chunks
+                waiting.remove(r)
+                r.slot = self.pool.claim()
+                self.rows.append(r)
+                partial = r
+                keep = self._share(n, budget, bool(waiting))
+                spent += keep
+            else:
+                continue
+            if self.prefix is not None and key is not None:
+                firsts.add(key)
+        if partial is not None:  # its share and whatever the others left
+            start = partial.done
+            chunks.append((partial, start, self._chunk_end(partial, start, budget - spent + keep)))
+        for r in group:  # last: the group's slots are contiguous, the end of the batch
+            r.slot = self.pool.claim()
+            self.rows.append(r)
+        return Plan(decode, group, ends, chunks, cancelled)
+
+    @staticmethod
+    def _share(rest: int, budget: float, others_wait: bool) -> int:
+        """The budget the request mid-prefill (``rest`` prompt tokens to go) keeps for itself: all
+        it needs while no one waits, else at most half (rounded up, so at least one token)."""
+        if not others_wait or budget == math.inf:
+            return min(rest, budget)
+        return min(rest, int(budget) - int(budget) // 2)
+
+    def _whole_prompts(self, waiting, budget: float, cancelled: list[RequestState]) -> tuple[list, list[int]]:
+        """A runner that cannot run a range of slots from ``first_slot`` > 0: whole prompts in
+        queue order while they fit (the first even when it alone does not), run from slot 0."""
+        group: list[RequestState] = []
+        longest = 0
+        for r in list(waiting):
+            if self.pool.free_slots <= len(group):
+                break
+            if r.adapter_slot is None and not self._acquire_adapter(r):
+                waiting.remove(r)
+                cancelled.append(r)
+                continue
+            n = len(r.prompt_ids)
+            if group and (len(group) + 1) * max(longest, n) > budget:
+                break
+            waiting.remove(r)
+            group.append(r)
+            longest = max(longest, n)
         for r in group:
             r.slot = self.pool.claim()
             self.rows.append(r)
-        return Plan(decode, group, 0, ends, cancelled)
+        return group, [len(r.prompt_ids) for r in group]
 
     def _acquire_adapter(self, r: RequestState) -> bool:
         """Hold the request's LoRA adapter slot from admission on (``runtime.lora.AdapterPool``);
@@ -204,7 +289,10 @@ class StepBatch:
         in an earlier one; the two ranges are different slots and the prefill's inputs do not
         depend on the decode's tokens, so the results are the same. A local runner reuses its
         output buffers, so each run is consumed before the next starts."""
-        runs = (self._decode_runs(plan) if plan.decode else []) + ([self._prefill_run(plan)] if plan.prefill else [])
+        runs = self._decode_runs(plan) if plan.decode else []
+        if plan.prefill:
+            runs.append(self._prefill_run(plan.prefill, 0, plan.ends))
+        runs += [self._prefill_run([r], start, [end]) for r, start, end in plan.chunks]
         decoder = self.runner
         if hasattr(decoder, "submit"):
             pending = [decoder.submit(self.pool, *args, **kwargs) for args, kwargs, _ in runs]
@@ -214,6 +302,8 @@ class StepBatch:
         stepped: list[RequestState] = []
         for (_, _, finish), out in zip(runs, outs):
             stepped += finish(out)
+        # at most one request is left mid-prefill (plan): the one whose prompt is not all in its slot
+        self.partial = next((r for r in self.rows if r.finish_reason is None and r.done < len(r.prompt_ids)), None)
         return stepped
 
     def _decode_runs(self, plan: Plan) -> list:
@@ -227,6 +317,9 @@ class StepBatch:
         for r in reqs:
             proposal = proposals.get(r.slot)
             if proposal is None or not proposal.tokens:
+                if group and r.slot != group[-1].slot + 1:  # a row mid-prefill sits between them
+                    runs.append(self._decode_run(group))
+                    group = []
                 group.append(r)
                 continue
             if group:
@@ -334,10 +427,10 @@ class StepBatch:
         args = (tokens, positions, logits_index, np.array([k + 1], np.int64))
         return args, self._run_kwargs(extra, None, slot, fold, False), finish
 
-    def _prefill_run(self, plan: Plan):
-        """(args, kwargs, finish) of the prefill rows' run: one chunk each, slots after the decode rows."""
-        reqs, start, ends = plan.prefill, plan.start, plan.ends
-        first = len(plan.decode)
+    def _prefill_run(self, reqs: list[RequestState], start: int, ends: list[int]):
+        """(args, kwargs, finish) of a prefill run over contiguous slots from ``reqs[0].slot``: each
+        row's prompt positions ``[start, end)`` (a group of several rows has no past: ``start`` 0)."""
+        first = reqs[0].slot
         seq = max(ends) - start
         n = len(reqs)
         input_ids = np.full((n, seq), PAD_ID, np.int64)
@@ -384,8 +477,6 @@ class StepBatch:
                 self.prefix.computed(int(lengths.sum()))
                 for r in reqs:
                     self.prefix.remember(r)
-            last = reqs[-1]
-            self.partial = last if last.done < len(last.prompt_ids) else None
             return stepped
 
         args = (input_ids, positions, logits_index, lengths)
@@ -455,20 +546,35 @@ class StepBatch:
 
     def retire(self) -> None:
         """Release every finished request's slot (highest slot first, so fewer rows move);
-        a request mid-prefill stays last."""
+        a request mid-prefill that is last stays last (the decode rows stay one range)."""
         for r in sorted((r for r in self.rows if r.finish_reason is not None), key=lambda r: -r.slot):
             self._release(r)
+
+    def drop(self, plan: Plan, failed: list[RequestState]) -> None:
+        """Release ``failed``, requests the plan starts that failed before it runs (their images),
+        and take them out of the plan; the group's slots stay contiguous at the end of the batch
+        (it claimed them last)."""
+        gone = {id(r) for r in failed}
+        in_group = {id(r) for r in plan.prefill}
+        group = [r for r in plan.prefill if id(r) not in gone]
+        for r in sorted(failed, key=lambda r: (id(r) not in in_group, -r.slot)):  # the group's own first
+            self._release(r, tail=0 if id(r) in in_group else len(group))
+        plan.prefill = sorted(group, key=lambda r: r.slot)
+        plan.ends = [len(r.prompt_ids) for r in plan.prefill]
+        plan.chunks = [c for c in plan.chunks if id(c[0]) not in gone]
 
     def release_all(self) -> None:
         for r in sorted(self.rows, key=lambda r: -r.slot):
             self._release(r)
 
-    def _release(self, r: RequestState) -> None:
+    def _release(self, r: RequestState, tail: int | None = None) -> None:
+        """Free r's slot; the last ``tail`` rows stay last (default: the request mid-prefill, if it is last)."""
         if r.error is not None and hasattr(self.pool, "scrub"):
             self.pool.scrub(r.slot)  # a failed request may leave NaN rows (StatePool.scrub)
         if r is self.partial:
-            self.partial = None  # it is the last slot: nothing moves
-        tail = 1 if self.partial is not None else 0
+            self.partial = None
+        if tail is None:
+            tail = 1 if self.partial is not None and self.partial is self.rows[-1] else 0
         for src, dst in self.pool.release_keeping_tail(r.slot, tail):
             self.rows[dst] = self.rows[src]
             self.rows[dst].slot = dst
