@@ -49,7 +49,7 @@ from graphkiln.untrusted import show
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB; this only bounds what an artifact can make us compile
-RENDER_SECONDS = 2.0  # real templates render in milliseconds, an 8 MiB message in well under 0.1 s
+RENDER_SECONDS = 2.0  # real templates render in well under a millisecond of it; 8 MiB messages: TRANSFER_BYTES_PER_S
 MAX_RENDER_CHARS = 1 << 24  # twice the largest request body; no artifact's context holds such a prompt
 TRANSFER_BYTES_PER_S = 8 << 20  # added to the deadline for the messages' trip through the worker (~0.4 s for 8 MiB)
 SPAWN_SECONDS = 30.0  # a worker's start (python and jinja2 imported), outside the render's deadline
