@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphkiln.batched_int8 import DEFAULT_MIN_ROWS, DERIVED_LOCATION, dequantize, smoothing_from_max
 from graphkiln.export.external_data import read_initializer
+from graphkiln.export.lowering.constants import Constants
 from graphkiln.export.lowering.ort_moe import MS_DOMAIN, _NameScope
 from graphkiln.manifest import BatchedGraphSpec, DerivedWeight, GraphSpec, TensorRef
 
@@ -43,7 +44,7 @@ def write_batched_graph(out_dir: Path, graph: GraphSpec, importance: dict | None
     stem = Path(graph.file).name.removesuffix(".onnx")
     file, data_name = f"{stem}.batched.onnx", f"{stem}.batched.data"
     names = _NameScope(g)
-    consts = _Consts(names, _opset(model))
+    consts, opset = Constants([], lambda _tag: names.fresh("batched_int8.const")), _opset(model)
     data = bytearray()
     weights, replaced = [], {}
     for node in targets:
@@ -69,7 +70,7 @@ def write_batched_graph(out_dir: Path, graph: GraphSpec, importance: dict | None
                               _external(sm, TensorProto.FLOAT, (k,), smooth_ref)])
         weights.append(DerivedWeight(wq, wc, refs[0], refs[1], refs[2], smooth_ref, bits, block))
         bias = node.input[5] if len(node.input) > 5 and node.input[5] else None
-        replaced[id(node)] = _int8_matmul(node.input[0], node.output[0], wq, wc, sm, bias, consts, names)
+        replaced[id(node)] = _int8_matmul(node.input[0], node.output[0], wq, wc, sm, bias, consts, names, opset)
     new_nodes = [m for node in g.node for m in replaced.get(id(node), [node])]
     del g.node[:]
     g.node.extend(consts.nodes + new_nodes)
@@ -99,29 +100,8 @@ def _importance_for(blob_name: str, importance: dict, k: int):
     return None
 
 
-class _Consts:
-    """Scalar Constant nodes, one per (value, dtype), put first in the graph."""
-
-    def __init__(self, names: _NameScope, opset: int) -> None:
-        self.opset = opset
-        self.nodes: list = []
-        self.by_value: dict = {}
-        self.names = names
-
-    def get(self, value, dtype) -> str:
-        return self.get_array(np.array(value, dtype=dtype))
-
-    def get_array(self, arr: np.ndarray) -> str:
-        key = (arr.tobytes(), arr.dtype.str, arr.shape)
-        if key not in self.by_value:
-            name = self.names.fresh("batched_int8.const")
-            self.nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(arr, name)))
-            self.by_value[key] = name
-        return self.by_value[key]
-
-
-def _int8_matmul(a: str, out: str, wq: str, wc: str, smooth: str, bias: str | None, consts: _Consts,
-                 names: _NameScope) -> list:
+def _int8_matmul(a: str, out: str, wq: str, wc: str, smooth: str, bias: str | None, consts: Constants,
+                 names: _NameScope, opset: int) -> list:
     """``out = (MatMulInteger(round(x / r) + 128, wq, 128) * r) * wc [+ bias]``, ``x = a / smooth``,
     ``r = max(max|x| per row, tiny) / 127``: symmetric per-row int8, shifted into uint8 so the
     kernel takes its u8 x s8 path (zero point 128 is a scalar, which onnxruntime's kernel needs)."""
@@ -132,14 +112,14 @@ def _int8_matmul(a: str, out: str, wq: str, wc: str, smooth: str, bias: str | No
     nodes = [
         helper.make_node("Div", [a, smooth], [x]),
         helper.make_node("Abs", [x], [ab]),
-        _reduce_max_last(ab, amax, consts),
-        helper.make_node("Div", [amax, consts.get(127.0, np.float32)], [r0]),
-        helper.make_node("Max", [r0, consts.get(1e-30, np.float32)], [r]),
+        _reduce_max_last(ab, amax, consts, opset),
+        helper.make_node("Div", [amax, consts(127.0, np.float32)], [r0]),
+        helper.make_node("Max", [r0, consts(1e-30, np.float32)], [r]),
         helper.make_node("Div", [x, r], [xr]),
         helper.make_node("Round", [xr], [rd]),
-        helper.make_node("Add", [rd, consts.get(128.0, np.float32)], [u]),
+        helper.make_node("Add", [rd, consts(128.0, np.float32)], [u]),
         helper.make_node("Cast", [u], [uq], to=TensorProto.UINT8),
-        helper.make_node("MatMulInteger", [uq, wq, consts.get(128, np.uint8)], [acc]),
+        helper.make_node("MatMulInteger", [uq, wq, consts(128, np.uint8)], [acc]),
         helper.make_node("Cast", [acc], [accf], to=TensorProto.FLOAT),
         helper.make_node("Mul", [accf, r], [y0]),
         helper.make_node("Mul", [y0, wc], [y]),
@@ -153,10 +133,10 @@ def _opset(model) -> int:
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
-def _reduce_max_last(x: str, out: str, consts: _Consts):
+def _reduce_max_last(x: str, out: str, consts: Constants, opset: int):
     """ReduceMax over the last axis, keeping it (axes an input from opset 18, an attribute before)."""
-    if consts.opset >= 18:
-        axes = consts.get_array(np.array([-1], np.int64))
+    if opset >= 18:
+        axes = consts([-1], np.int64)
         return helper.make_node("ReduceMax", [x, axes], [out], keepdims=1)
     return helper.make_node("ReduceMax", [x], [out], axes=[-1], keepdims=1)
 

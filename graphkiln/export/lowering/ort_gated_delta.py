@@ -25,6 +25,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from graphkiln.export.lowering.constants import Constants, numbered
 from graphkiln.export.lowering.ort_attention import MS_DOMAIN, _attr, _drop_unused_function
 from graphkiln.ops.spec import DOMAIN
 
@@ -38,17 +39,7 @@ def lower_gated_delta_for_onnxruntime(model: onnx.ModelProto) -> int:
     shapes = _static_shapes(g)
     types = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.value_info)}
     new_nodes, lowered = [], 0
-    consts: dict[tuple, str] = {}
-
-    def const(value, dtype=TensorProto.INT64, dims=(1,)) -> str:
-        key = (tuple(value) if isinstance(value, list) else value, dtype)
-        if key not in consts:
-            name = f"gated_delta.const.{len(consts)}"
-            vals = value if isinstance(value, list) else [value]
-            new_nodes.append(helper.make_node("Constant", [], [name],
-                                              value=helper.make_tensor("", dtype, list(dims) if dims else [], vals)))
-            consts[key] = name
-        return consts[key]
+    const = Constants(new_nodes, numbered("gated_delta.const"))
 
     body = []
     for node in g.node:
@@ -77,7 +68,7 @@ def _lowered(node, hk: int, hv: int, dk: int, dv: int, elem: int, const) -> list
     scale = float(_attr(node, "scale", 0.0))
     l2norm = int(_attr(node, "qk_l2norm", 1))
     in_place = int(_attr(node, "state_update", 0))
-    eps = const(_EPS, elem, dims=())
+    eps = const(_EPS, elem)
     out: list = []
 
     def l2(x: str, what: str) -> str:
@@ -97,32 +88,32 @@ def _lowered(node, hk: int, hv: int, dk: int, dv: int, elem: int, const) -> list
         out += [helper.make_node("Unsqueeze", [kn, const([3])], [f"{p}.k5"]),
                 helper.make_node("Shape", [kn], [f"{p}.k_shape"]),
                 helper.make_node("Slice", [f"{p}.k_shape", const([0]), const([2])], [f"{p}.bs"]),
-                helper.make_node("Concat", [f"{p}.bs", const([hk, hv // hk, dk], dims=(3,))], [f"{p}.k5_shape"], axis=0),
+                helper.make_node("Concat", [f"{p}.bs", const([hk, hv // hk, dk])], [f"{p}.k5_shape"], axis=0),
                 helper.make_node("Expand", [f"{p}.k5", f"{p}.k5_shape"], [f"{p}.k_rep5"])]
         kn = f"{p}.k_rep5"
     packed = []
     for x, heads, d, what in ((qn, hk, dk, "q"), (kn, hv, dk, "k"), (v, hv, dv, "v")):
-        out.append(helper.make_node("Reshape", [x, const([0, 0, heads * d], dims=(3,))], [f"{p}.{what}_packed"]))
+        out.append(helper.make_node("Reshape", [x, const([0, 0, heads * d])], [f"{p}.{what}_packed"]))
         packed.append(f"{p}.{what}_packed")
     # padding: g and beta zero past each row's length (state untouched), as the op's masks
     out += [helper.make_node("Shape", [decay], [f"{p}.g_shape"]),
             helper.make_node("Slice", [f"{p}.g_shape", const([1]), const([2])], [f"{p}.seq"]),
             helper.make_node("Squeeze", [f"{p}.seq", const([0])], [f"{p}.seq_scalar"]),
-            helper.make_node("Range", [const(0, dims=()), f"{p}.seq_scalar", const(1, dims=())], [f"{p}.steps"]),
+            helper.make_node("Range", [const(0), f"{p}.seq_scalar", const(1)], [f"{p}.steps"]),
             helper.make_node("Unsqueeze", [seq_lens, const([1])], [f"{p}.lens"]),
             helper.make_node("Less", [f"{p}.steps", f"{p}.lens"], [f"{p}.real"]),  # [B, S]
             helper.make_node("Unsqueeze", [f"{p}.real", const([2])], [f"{p}.real3"]),
             # the kernel takes every input in q's type (the model computes g in fp32)
             helper.make_node("CastLike", [decay, q], [f"{p}.g_q"]),
-            helper.make_node("Where", [f"{p}.real3", f"{p}.g_q", const(0.0, elem, dims=())], [f"{p}.g"]),
+            helper.make_node("Where", [f"{p}.real3", f"{p}.g_q", const(0.0, elem)], [f"{p}.g"]),
             helper.make_node("CastLike", [beta, q], [f"{p}.beta_q"]),
-            helper.make_node("Where", [f"{p}.real3", f"{p}.beta_q", const(0.0, elem, dims=())], [f"{p}.beta"]),
+            helper.make_node("Where", [f"{p}.real3", f"{p}.beta_q", const(0.0, elem)], [f"{p}.beta"]),
             helper.make_node("Gather", [pool, slot_idx], [f"{p}.state"], axis=0),
             helper.make_node("CastLike", [f"{p}.state", q], [f"{p}.state_f"])]
     out.append(helper.make_node(
         "LinearAttention", [*packed, f"{p}.state_f", f"{p}.g", f"{p}.beta"], [f"{p}.y_packed", f"{p}.new_rows_f"],
         name=p, domain=MS_DOMAIN, q_num_heads=hk, kv_num_heads=hv, scale=scale, update_rule="gated_delta"))
-    out += [helper.make_node("Reshape", [f"{p}.y_packed", const([0, 0, hv, dv], dims=(4,))], [y]),
+    out += [helper.make_node("Reshape", [f"{p}.y_packed", const([0, 0, hv, dv])], [y]),
             helper.make_node("CastLike", [f"{p}.new_rows_f", pool], [f"{p}.new_rows"])]
     if in_place:
         out += [helper.make_node("Unsqueeze", [slot_idx, const([1])], [f"{p}.slots"]),

@@ -46,6 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphkiln.export.lowering.constants import Constants
 from graphkiln.ops.spec import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
@@ -144,12 +145,7 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
                                       domain=domain, **kw))
         return outs if n_out > 1 else outs[0]
 
-    def const(value, dtype=np.float32, tag="const"):
-        arr = np.asarray(value, dtype=dtype)
-        name = tmp(tag)
-        nodes.append(helper.make_node("Constant", [], [name], name=names.fresh(f"{prefix}/ort_Constant"),
-                                      value=numpy_helper.from_array(arr, name)))
-        return name
+    const = Constants(nodes, tmp)
 
     def reduce(op_type, x):
         if opset >= 18 or op_type == "ReduceSum":
@@ -166,8 +162,8 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
     w = add("GatherElements", [probs, idx], axis=-1)  # [T, k], unnormalized, unscaled
 
     # --- router row for ORT: softmax of it is w / sum(w) at the selected ids, 0 elsewhere
-    wmax = add("Max", [reduce("ReduceMax", w), const(_TINY)])
-    r = add("Max", [add("Log", [add("Div", [w, wmax])]), const(_FLOOR)])
+    wmax = add("Max", [reduce("ReduceMax", w), const(_TINY, np.float32)])
+    r = add("Max", [add("Log", [add("Div", [w, wmax])]), const(_FLOOR, np.float32)])
     filler = add("ConstantOfShape", [add("Shape", [lf])],
                  value=numpy_helper.from_array(np.array([_FILLER], np.float32)))
     router = add("ScatterElements", [filler, idx, r], axis=-1)
@@ -189,13 +185,13 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
     scale = None  # None: exactly 1
     if normalize and norm_eps == 0.0:
         if routed_scaling != 1.0:
-            scale = const(routed_scaling, tag="routed_scaling")
+            scale = const(routed_scaling, np.float32, "routed_scaling")
     else:
         s = reduce("ReduceSum", w)
         if normalize:
-            s = add("Div", [s, add("Add", [s, const(norm_eps, tag="norm_eps")])])
+            s = add("Div", [s, add("Add", [s, const(norm_eps, np.float32, "norm_eps")])])
         if routed_scaling != 1.0:
-            s = add("Mul", [s, const(routed_scaling, tag="routed_scaling")])
+            s = add("Mul", [s, const(routed_scaling, np.float32, "routed_scaling")])
         scale = s
     if scale is not None:
         if elem == TensorProto.FLOAT16:

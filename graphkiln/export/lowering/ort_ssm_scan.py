@@ -42,6 +42,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from graphkiln.export.lowering.constants import Constants, numbered
 from graphkiln.export.lowering.ort_attention import MS_DOMAIN, _attr, _drop_unused_function
 from graphkiln.ops.spec import DOMAIN
 from graphkiln.ops.ssm_scan import FLOAT32_MAX
@@ -55,17 +56,7 @@ def lower_ssm_scan_for_onnxruntime(model: onnx.ModelProto) -> int:
     g = model.graph
     dims = _static_dims(g)
     new_nodes, lowered = [], 0
-    consts: dict[tuple, str] = {}
-
-    def const(value, dtype=TensorProto.INT64, dims=(1,)) -> str:
-        key = (tuple(value) if isinstance(value, list) else value, dtype, tuple(dims))
-        if key not in consts:
-            name = f"ssm_scan.const.{len(consts)}"
-            vals = value if isinstance(value, list) else [value]
-            new_nodes.append(helper.make_node("Constant", [], [name],
-                                              value=helper.make_tensor("", dtype, list(dims), vals)))
-            consts[key] = name
-        return consts[key]
+    const = Constants(new_nodes, numbered("ssm_scan.const"))
 
     body = []
     for node in g.node:
@@ -97,20 +88,20 @@ def _lowered(node, heads: int, groups: int, const) -> list:
     in_place = int(_attr(node, "state_update", 0))
     dt_min = float(_attr(node, "dt_min", 0.0))
     dt_max = float(_attr(node, "dt_max", FLOAT32_MAX))
-    zero = const(0.0, _FLOAT, dims=())
-    packed = const([0, 0, -1], dims=(3,))
+    zero = const(0.0, _FLOAT)
+    packed = const([0, 0, -1])
     mk = helper.make_node
     out = [
         # real tokens: position < seq_lens[b], [B, S] then broadcastable to [B, S, H] and [B, S, H, P]
         mk("Shape", [x], [f"{p}.x_shape"]),
         mk("Slice", [f"{p}.x_shape", const([1]), const([2])], [f"{p}.seq"]),
         mk("Squeeze", [f"{p}.seq", const([0])], [f"{p}.seq_scalar"]),
-        mk("Range", [const(0, dims=()), f"{p}.seq_scalar", const(1, dims=())], [f"{p}.steps"]),
+        mk("Range", [const(0), f"{p}.seq_scalar", const(1)], [f"{p}.steps"]),
         mk("Cast", [seq_lens], [f"{p}.lens64"], to=TensorProto.INT64),
         mk("Unsqueeze", [f"{p}.lens64", const([1])], [f"{p}.lens"]),
         mk("Less", [f"{p}.steps", f"{p}.lens"], [f"{p}.real"]),
         mk("Unsqueeze", [f"{p}.real", const([2])], [f"{p}.real3"]),
-        mk("Unsqueeze", [f"{p}.real", const([2, 3], dims=(2,))], [f"{p}.real4"]),
+        mk("Unsqueeze", [f"{p}.real", const([2, 3])], [f"{p}.real4"]),
         # dt = clamp(softplus(dt + dt_bias)) with the op's roundings to dt's dtype (no-ops in fp32)
         mk("CastLike", [dt_bias, dt], [f"{p}.bias_dt"]),
         mk("Cast", [f"{p}.bias_dt"], [f"{p}.bias_f"], to=_FLOAT),
@@ -119,7 +110,7 @@ def _lowered(node, heads: int, groups: int, const) -> list:
         mk("CastLike", [f"{p}.raw_f", dt], [f"{p}.raw_dt"]),
         mk("Cast", [f"{p}.raw_dt"], [f"{p}.raw"], to=_FLOAT),
         mk("Softplus", [f"{p}.raw"], [f"{p}.softplus"]),
-        mk("Clip", [f"{p}.softplus", const(dt_min, _FLOAT, dims=()), const(dt_max, _FLOAT, dims=())],
+        mk("Clip", [f"{p}.softplus", const(dt_min, _FLOAT), const(dt_max, _FLOAT)],
            [f"{p}.clipped"]),
         mk("CastLike", [f"{p}.clipped", dt], [f"{p}.step_dt"]),
         mk("Cast", [f"{p}.step_dt"], [f"{p}.step_f"], to=_FLOAT),
@@ -140,7 +131,7 @@ def _lowered(node, heads: int, groups: int, const) -> list:
     k4 = f"{p}.b_real"
     if heads != groups:  # [B, S, G, 1, N] broadcast to [B, S, G, H / G, N]
         out += [mk("Unsqueeze", [k4, const([3])], [f"{p}.b5"]),
-                mk("Expand", [f"{p}.b5", const([1, 1, 1, heads // groups, 1], dims=(5,))], [f"{p}.b_heads"])]
+                mk("Expand", [f"{p}.b5", const([1, 1, 1, heads // groups, 1])], [f"{p}.b_heads"])]
         k4 = f"{p}.b_heads"
     out += [
         mk("Reshape", [k4, packed], [f"{p}.k"]),  # [B, S, H * N]
