@@ -305,6 +305,30 @@ def test_unload_while_in_use_is_a_409(srv):
     assert [m.id for m in srv.client().models.list().data] == [MODEL, "alpha", "beta"]
 
 
+def test_unload_while_queued_is_a_409(srv, reference):
+    """Requests for beta queued behind a full batch (as the completion route submits them) hold it:
+    unloading it is a 409 naming the queued requests, and they then finish with beta's tokens."""
+    scheduler = srv.server.config.app.state.graphkiln.scheduler
+    long = GenerationConfig(max_new_tokens=100, do_sample=False, stop_token_ids=())
+    busy = [scheduler.submit(PROMPTS[i % 3], long) for i in range(4)]  # max_batch 4: every slot
+    queued = [scheduler.submit(PROMPTS[0], GenerationConfig(max_new_tokens=N, do_sample=False, stop_token_ids=(),
+                                                            adapter="beta")) for _ in range(2)]
+    try:
+        # the stepping thread pauses at its next step while the test holds the scheduler's lock, so the
+        # two stay queued (the busy four need 100 steps) while the route is asked to unload beta
+        with scheduler._lock:
+            assert sum(r.cfg.adapter == "beta" for r in scheduler._waiting) == 2
+            message = _error(srv.post(UNLOAD, {"lora_name": "beta"}), 409, "lora_adapter_in_use")
+        assert "in use by 2 queued or running request(s)" in message
+        for h in queued:
+            assert h.result(timeout=60).token_ids == _want(reference, PROMPTS[0], "beta")
+    finally:
+        for h in busy + queued:
+            h.cancel()
+        srv.wait_idle()
+    assert [m.id for m in srv.client().models.list().data] == [MODEL, "alpha", "beta"]
+
+
 # -- the CLI ----------------------------------------------------------------------------------
 
 
