@@ -43,7 +43,7 @@ def test_missing_config_json(llama_case, checkpoint_copy, out_dir, capsys):
 
 @pytest.mark.parametrize("content,problem", [
     (b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,', "not valid JSON"),
-    (b"\xff\xfe\x00\x01 binary", "not valid JSON"),
+    (b"\xff\xfe\x00\x01 binary", "not UTF-8"),
     (b'["LlamaForCausalLM"]', "not a JSON object"),
 ], ids=["truncated", "binary", "array"])
 def test_malformed_config_json(llama_case, checkpoint_copy, out_dir, capsys, content, problem):

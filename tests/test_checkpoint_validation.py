@@ -384,7 +384,7 @@ def test_auto_map_in_a_real_process_with_stdin_closed(llama_case, checkpoint_cop
 
 GEN_CASES = [
     (b'{"eos_token_id": 2,', "generation_config.json", "not valid JSON"),
-    (b'\xff\xfe binary', "generation_config.json", "not valid JSON"),
+    (b'\xff\xfe binary', "generation_config.json", "not UTF-8"),
     (b'[2]', "generation_config.json", "not a JSON object"),
     (b'"eos"', "generation_config.json", "not a JSON object"),
 ] + [

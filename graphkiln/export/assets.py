@@ -1,40 +1,202 @@
-"""Non-graph files an artifact carries: tokenizer files and generation defaults."""
+"""Non-graph files an artifact carries: tokenizer files, the chat template and generation defaults.
+
+They are untrusted input that export copies or derives into the artifact, so an export either
+refuses them in one line or publishes files that ``run``, ``chat`` and ``serve`` accept:
+
+- every file is read once, through ``models.checkpoint_files`` (regular files inside the
+  checkpoint only), before the output directory exists, and the bytes that were checked are the
+  bytes the artifact gets (``TokenizerAssets.write``), never the checkpoint's file read again;
+- they are checked by the runtime's own loaders on a staged copy laid out as in the artifact:
+  tokenizer.json loads with ``runtime.request.tokenizer.Tokenizer`` and round-trips a sample
+  text, in ids inside the model's vocabulary; tokenizer_config.json and special_tokens_map.json
+  are JSON objects; a chat template, when there is one, loads with
+  ``runtime.request.chat_template.ChatTemplate`` (the sandbox the server and ``graphkiln chat``
+  use) and renders a sample conversation to non-empty text, in ids inside the vocabulary (a
+  template's special tokens added past the embeddings would fail every chat request), and the
+  special tokens it is given (``bos_token``, ``eos_token``) are tokens of the tokenizer;
+- generation_config.json's values are checked (``generation_defaults``), and
+  preprocessor_config.json must be a JSON object (its values are the vision family's to check).
+"""
 
 from __future__ import annotations
 
-import json
+import fnmatch
 import math
-import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GenerationDefaults
+from graphkiln.models import checkpoint_files
+from graphkiln.untrusted import show
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG = "generation_config.json"
+# what transformers may read to convert a slow (sentencepiece, vocab/merges) tokenizer
+SLOW_TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                           "*.model")
+MAX_TOKENIZER_BYTES = 256 << 20  # the largest real tokenizer.json files are tens of MB
+TOKENIZER_FIX = "fix or re-save the tokenizer (save_pretrained), or delete the file to export without it"
+TEMPLATE_FIX = ("fix the chat template (chat_template.jinja, or chat_template in tokenizer_config.json), or delete "
+                "it to export without one")
+# what the tokenizer must round-trip: plain ASCII every language model's tokenizer spells
+SAMPLE_TEXT = "Hello, world! The answer is 42."
+# the conversation a chat template must render; without the system turn when it refuses one (some
+# templates do: Gemma's), but never when it refuses this conversation
+SAMPLE_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+SAMPLE_CONVERSATION = ({"role": "user", "content": "Hello, who are you?"},
+                       {"role": "assistant", "content": "I am a language model."},
+                       {"role": "user", "content": "What is 2 + 2?"})
 
 
-def copy_tokenizer(src: Path, dst: Path) -> tuple[str, ...]:
-    """Copy the tokenizer; convert a slow-only tokenizer to tokenizer.json when possible.
+@dataclass(frozen=True)
+class TokenizerAssets:
+    """The tokenizer files an artifact carries, by name, as read from the checkpoint and checked
+    (``read_tokenizer_assets``); the order of ``TOKENIZER_FILES``."""
 
-    The runtime uses the ``tokenizers`` library alone, so tokenizer.json is what matters.
-    """
-    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    for name in copied:
-        shutil.copy2(src / name, dst / name)
-    if "tokenizer.json" not in copied and any(src.glob("*.model")):
-        try:
-            from transformers import AutoTokenizer
+    files: dict[str, bytes]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.files)
+
+    def write(self, dst: Path) -> tuple[str, ...]:
+        """Write the files into the artifact directory ``dst``; returns their names."""
+        for name, data in self.files.items():
+            (dst / name).write_bytes(data)
+        return self.names
+
+
+def read_tokenizer_assets(src: Path, vocab_size: int) -> TokenizerAssets:
+    """The checkpoint's tokenizer files, read and checked as the module docstring says; a slow-only
+    tokenizer is converted to tokenizer.json when transformers can (the runtime uses the
+    ``tokenizers`` library alone), else the artifact runs on token ids."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        data = checkpoint_files.read_bytes(src, name, TOKENIZER_FIX, MAX_TOKENIZER_BYTES)
+        if data is not None:
+            files[name] = data
+    if "tokenizer.json" not in files:
+        converted = _convert_slow_tokenizer(src)
+        if converted is not None:
+            files["tokenizer.json"] = converted
+            files = {name: files[name] for name in TOKENIZER_FILES if name in files}
+    check_tokenizer_assets(files, vocab_size, src)
+    return TokenizerAssets(files)
+
+
+def _convert_slow_tokenizer(src: Path) -> bytes | None:
+    """tokenizer.json made by transformers from a slow tokenizer's files, or None."""
+    slow = [p for p in sorted(src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in SLOW_TOKENIZER_PATTERNS)]
+    if not any(p.name.endswith(".model") for p in slow):
+        return None
+    for path in slow:  # transformers opens them by name: each must be a regular file of the checkpoint
+        checkpoint_files.check_file(path, src, TOKENIZER_FIX)
+    try:
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="graphkiln-tokenizer-") as tmp:
             # Never the checkpoint's own tokenizer code (export refuses auto_map before this;
             # trust_remote_code=False also keeps transformers from asking on a terminal).
             AutoTokenizer.from_pretrained(str(src), trust_remote_code=False).backend_tokenizer.save(
-                str(dst / "tokenizer.json"))
-            copied.append("tokenizer.json")
-        except Exception:
-            pass  # no usable tokenizer: the artifact still runs on token ids
-    return tuple(copied)
+                str(Path(tmp) / "tokenizer.json"))
+            return (Path(tmp) / "tokenizer.json").read_bytes()
+    except Exception:
+        return None  # no usable tokenizer: the artifact still runs on token ids
+
+
+def check_tokenizer_assets(files: dict[str, bytes], vocab_size: int, src: Path) -> None:
+    """Refuse, in one line, tokenizer files the runtime would reject or misuse (see the module
+    docstring); ``files`` are staged in a temporary directory laid out as the artifact and loaded
+    from there by the runtime's own code."""
+    from graphkiln.runtime.request.chat_template import ChatTemplate
+    from graphkiln.runtime.request.tokenizer import Tokenizer
+
+    parsed = {name: checkpoint_files.parse_json(files[name], name, src, TOKENIZER_FIX)
+              for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json") if name in files}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if name in parsed and not isinstance(parsed[name], dict):
+            raise GraphkilnError(f"{name} in {show(str(src), 120)} is not a JSON object: {TOKENIZER_FIX}")
+    config = parsed.get("tokenizer_config.json", {})
+    with tempfile.TemporaryDirectory(prefix="graphkiln-assets-") as stage:
+        stage = Path(stage)
+        for name, data in files.items():
+            (stage / name).write_bytes(data)
+        tokenizer = None
+        if "tokenizer.json" in files:
+            try:
+                tokenizer = Tokenizer(stage / "tokenizer.json")
+            except GraphkilnError as exc:  # the runtime's message says "re-export": the cause is the checkpoint's
+                cause = exc.__context__ or exc
+                raise GraphkilnError(f"the checkpoint's tokenizer.json cannot be loaded by the tokenizers library "
+                                     f"({show(' '.join(str(cause).split()), 160)}): {TOKENIZER_FIX}") from None
+            _check_tokenizer(tokenizer, parsed["tokenizer.json"], vocab_size)
+        if "chat_template.jinja" in files or config.get("chat_template") is not None:
+            if tokenizer is not None:  # without one the artifact runs on token ids, and chat is refused by design
+                _check_chat_template(ChatTemplate.load(stage, tuple(files), tokenizer=tokenizer), tokenizer,
+                                     vocab_size)
+
+
+def _check_tokenizer(tokenizer, spec, vocab_size: int) -> None:
+    """``SAMPLE_TEXT`` encodes to ids inside the model's vocabulary that decode to it again (unless
+    the vocabulary cannot spell it: unknown tokens). Tokens past the vocabulary are allowed
+    elsewhere (transformers' GGUF conversion adds one): a prompt holding one is refused per request."""
+    model = spec.get("model") if isinstance(spec, dict) else None
+    unknown = set()
+    if isinstance(model, dict):
+        if isinstance(model.get("unk_token"), str) and tokenizer.backend.token_to_id(model["unk_token"]) is not None:
+            unknown.add(tokenizer.backend.token_to_id(model["unk_token"]))
+        if isinstance(model.get("unk_id"), int):
+            unknown.add(model["unk_id"])
+    ids = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)
+    if not ids:
+        raise GraphkilnError(f"the checkpoint's tokenizer.json encodes the text {SAMPLE_TEXT!r} to no tokens: "
+                             f"{TOKENIZER_FIX}")
+    _check_ids(tokenizer, ids, vocab_size, f"the text {SAMPLE_TEXT!r}")
+    if not unknown.intersection(ids):
+        decoded = tokenizer.decode(ids)
+        if decoded != SAMPLE_TEXT:
+            raise GraphkilnError(f"the checkpoint's tokenizer.json does not round-trip text ({SAMPLE_TEXT!r} decodes "
+                                 f"back as {show(decoded, 60)}; is its decoder missing?): {TOKENIZER_FIX}")
+
+
+def _check_ids(tokenizer, ids: list[int], vocab_size: int, what: str) -> None:
+    """Every id of ``what`` inside the model's vocabulary (the runtime refuses a prompt otherwise)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise GraphkilnError(f"the checkpoint's tokenizer.json encodes {what} with token "
+                             f"{show(tokenizer.token_text(bad), 60)} as id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab_size}) (config.json's vocab_size): use the model's own tokenizer, or resize "
+                             "the model's embeddings to the tokenizer")
+
+
+def _check_chat_template(template, tokenizer, vocab_size: int) -> None:
+    """The chat template loads, renders ``SAMPLE_CONVERSATION`` (with a system turn, or without
+    one when the template refuses it) to non-empty text whose ids are inside the vocabulary, and
+    the special tokens it is given are tokens."""
+    from graphkiln.runtime.request.chat_template import ChatTemplateError
+
+    if template.problem is not None:
+        raise GraphkilnError(f"the checkpoint's chat template cannot be used ({template.problem}): {TEMPLATE_FIX}")
+    for key, text in (("bos_token", template.bos_token), ("eos_token", template.eos_token)):
+        if text and tokenizer.backend.token_to_id(text) is None:
+            raise GraphkilnError(f"tokenizer_config.json's {key} {show(text, 60)}, which the chat template is given, "
+                                 f"is not a token of tokenizer.json: {TOKENIZER_FIX}")
+    try:
+        try:
+            rendered = template.render([SAMPLE_SYSTEM, *SAMPLE_CONVERSATION])
+        except ChatTemplateError:
+            rendered = template.render(list(SAMPLE_CONVERSATION))
+    except ChatTemplateError as exc:
+        raise GraphkilnError(f"the checkpoint's chat template cannot render a plain user/assistant conversation "
+                             f"({show(str(exc), 200)}): {TEMPLATE_FIX}") from None
+    if not rendered.strip():
+        raise GraphkilnError(f"the checkpoint's chat template renders a conversation as empty text, so every chat "
+                             f"prompt would be empty: {TEMPLATE_FIX}")
+    _check_ids(tokenizer, tokenizer.encode(rendered, add_special_tokens=False), vocab_size,
+               "the chat template's sample conversation")
 
 
 def _bad(file: str, key: str, value, expected: str) -> GraphkilnError:
@@ -51,23 +213,11 @@ def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-def _json_object(path: Path, fix: str) -> dict:
-    """A checkpoint JSON file that must hold an object; malformed is one error line ending in ``fix``."""
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GraphkilnError(f"{path.name} in {path.parent} is not valid JSON ({str(exc)[:120]}): {fix}") from None
-    if not isinstance(d, dict):
-        raise GraphkilnError(f"{path.name} in {path.parent} is not a JSON object: {fix}")
-    return d
-
-
 def read_generation_config(src: Path) -> dict:
     """generation_config.json as a dict ({} when absent); malformed is an error, never ignored."""
-    path = src / GENERATION_CONFIG
-    if not path.is_file():
-        return {}
-    return _json_object(path, "fix it or delete it (graphkiln then uses greedy defaults)")
+    gen = checkpoint_files.read_json_object(src, GENERATION_CONFIG,
+                                            "fix it or delete it (graphkiln then uses greedy defaults)")
+    return {} if gen is None else gen
 
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -76,11 +226,12 @@ PREPROCESSOR_CONFIG = "preprocessor_config.json"
 def read_preprocessor_config(src: Path) -> dict:
     """preprocessor_config.json as a dict: a vision-language checkpoint's image processor settings,
     required (the artifact must preprocess images exactly as the model was trained)."""
-    path = src / PREPROCESSOR_CONFIG
-    if not path.is_file():
-        raise GraphkilnError(f"{src} has no {PREPROCESSOR_CONFIG}: a vision-language checkpoint needs its image "
-                             "processor's settings; save the processor with the model (processor.save_pretrained)")
-    return _json_object(path, "fix it or re-save the processor")
+    config = checkpoint_files.read_json_object(src, PREPROCESSOR_CONFIG, "fix it or re-save the processor")
+    if config is None:
+        raise GraphkilnError(f"{show(str(src), 120)} has no {PREPROCESSOR_CONFIG}: a vision-language checkpoint needs "
+                             "its image processor's settings; save the processor with the model "
+                             "(processor.save_pretrained)")
+    return config
 
 
 def generation_defaults(src: Path, raw_config: dict, vocab_size: int | None = None,

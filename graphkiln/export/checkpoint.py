@@ -101,17 +101,13 @@ def refuse_checkpoint_code(src: Path, raw: dict) -> None:
     ``trust_remote_code=False``. A checkpoint whose architecture is built into transformers may
     carry a stale auto_map; deleting it from the file makes the checkpoint exportable.
     """
-    import json
+    from graphkiln.export.assets import TOKENIZER_FIX
+    from graphkiln.models.checkpoint_files import read_json_object
 
     found = {"config.json": raw.get("auto_map")}
-    tok = src / "tokenizer_config.json"
-    if tok.is_file():
-        try:
-            tok_cfg = json.loads(tok.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            tok_cfg = None  # not read by export (the runtime uses tokenizer.json): copied as is
-        if isinstance(tok_cfg, dict):
-            found["tokenizer_config.json"] = tok_cfg.get("auto_map")
+    tok_cfg = read_json_object(src, "tokenizer_config.json", TOKENIZER_FIX)
+    if tok_cfg is not None:
+        found["tokenizer_config.json"] = tok_cfg.get("auto_map")
     for file, auto_map in found.items():
         if auto_map is not None:
             modules = sorted({v.split(".")[0] + ".py" for v in _auto_map_targets(auto_map) if "." in v})

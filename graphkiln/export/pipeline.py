@@ -11,7 +11,7 @@ from pathlib import Path
 from graphkiln import __version__
 from graphkiln.artifact import checksum_tree
 from graphkiln.errors import GraphkilnError
-from graphkiln.export.assets import copy_tokenizer, generation_defaults
+from graphkiln.export.assets import generation_defaults, read_tokenizer_assets
 from graphkiln.export.checkpoint import prepared_checkpoint, refuse_checkpoint_code, refuse_quantized
 from graphkiln.manifest import MANIFEST_NAME, TARGETS, CustomOpRef, LoraSpec, Manifest, ModelInfo, StateSpec
 from graphkiln.memory import available_memory
@@ -313,6 +313,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     check_max_seq_len(max_seq_len, cfg, "--max-seq-len" if opts.max_seq_len is not None else
                       "max_position_embeddings in config.json")
     generation = generation_defaults(src, raw, cfg.vocab_size, note=lambda msg: _say(opts, msg))
+    assets = read_tokenizer_assets(src, cfg.vocab_size)
     check_checkpoint(src, family, cfg)
     prequantized = prequantized_parameters(src, family, cfg)
     stored_bits = sidecar_default_bits(src)
@@ -353,7 +354,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         preflight.check_disk(est, tmp, Path(out_dir), opts)
         try:
             return _export_into(tmp, model, src, out_dir, arch, family, cfg, vcfg, opts, targets, prequantized,
-                                generation, max_seq_len, stage_ranges, lora_paths, io_before)
+                                generation, assets, max_seq_len, stage_ranges, lora_paths, io_before)
         finally:
             from graphkiln.export.external_data import forget_deferred
 
@@ -396,7 +397,8 @@ def _peak_rss() -> int:
 
 
 def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, cfg, vcfg, opts: ExportOptions,
-                 targets, prequantized, generation, max_seq_len: int, stage_ranges, lora_paths, io_before) -> Manifest:
+                 targets, prequantized, generation, assets, max_seq_len: int, stage_ranges, lora_paths,
+                 io_before) -> Manifest:
     """The export's writing part, into the publication's temporary directory ``tmp``."""
     from graphkiln.export.graph_exporters import ExportContext, export_graph_specs
     from graphkiln.export.onnx_export import NP_DTYPE
@@ -427,7 +429,7 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
         state_dtype = ctx.state_dtype
 
         _say(opts, "[3/4] copying tokenizer and generation defaults")
-        tokenizer_files = copy_tokenizer(src, tmp)
+        tokenizer_files = assets.write(tmp)
         states = []
         attention = cfg.layers_of("attention")
         for window in dict.fromkeys(cfg.layers[i].window for i in attention):

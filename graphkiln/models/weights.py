@@ -8,8 +8,8 @@ about one copy of the weights.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 import re
 import struct
 from pathlib import Path
@@ -20,7 +20,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from graphkiln import untrusted
 from graphkiln.errors import GraphkilnError
+from graphkiln.models import checkpoint_files
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport, RMSNorm
 from graphkiln.models.registry import ModelFamily
@@ -36,6 +38,8 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 # Every other unread tensor is an error: it means config.json describes another model (fewer
 # layers, another architecture) than the weights.
 IGNORABLE_TENSORS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), re.compile(r"(^|\.)position_ids$"))
+SHARD_FIX = "re-download or re-save the checkpoint"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on a header
 
 
 def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Tensor, float]:
@@ -77,8 +81,11 @@ def _open_shards(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors shard holding it."""
     from graphkiln.models.prequantized import PREQUANTIZED_FILE
 
+    found = sorted(model_dir.glob("*.safetensors"))
+    for shard in found:  # safetensors opens by name (and would block on a FIFO): regular files only
+        checkpoint_files.check_file(shard, model_dir, SHARD_FIX)
     # the sidecar of a converted checkpoint's stored blocks is not a weight shard
-    shards = sorted(p for p in model_dir.glob("*.safetensors") if p.name != PREQUANTIZED_FILE)
+    shards = [p for p in found if p.name != PREQUANTIZED_FILE]
     if not shards:
         raise GraphkilnError(f"no *.safetensors files in {model_dir}: save the checkpoint with safe_serialization=True")
     where: dict[str, Path] = {}
@@ -128,6 +135,23 @@ class _Entry(NamedTuple):
     end: int
 
 
+def _read_header(shard: Path) -> tuple[int, dict]:
+    """A shard's (data start, header entries). The header's length is checked against the file
+    before it is read, and its JSON parsed as untrusted text (``_open_shards`` has already let
+    safetensors validate it; this read must not be the weak point if it had not)."""
+    with open(shard, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 <= n <= min(size - 8, MAX_HEADER_BYTES):
+            raise GraphkilnError(f"{shard.name} is truncated or corrupt (a header of {n} bytes in a file of {size}): "
+                                 f"{SHARD_FIX}")
+        header = untrusted.parse_json(f.read(n), f"{shard.name}'s safetensors header", SHARD_FIX)
+    if not isinstance(header, dict):
+        raise GraphkilnError(f"{shard.name} is truncated or corrupt (its header is not a JSON object): {SHARD_FIX}")
+    return 8 + n, header
+
+
 class _Reader:
     """Resolves ``Source`` descriptions against the checkpoint's shards, one tensor at a time."""
 
@@ -155,9 +179,7 @@ class _Reader:
         """The shard header entry of a tensor: {"dtype": "F32", "shape": [...], "data_offsets": [...]}."""
         shard = self.where[name]
         if shard not in self.headers:
-            with open(shard, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self.headers[shard] = (8 + n, json.loads(f.read(n)))
+            self.headers[shard] = _read_header(shard)
         return self.headers[shard][1][name]
 
     def missing(self, src: Source) -> str:
@@ -568,15 +590,12 @@ def find_non_finite(model_dir: Path, family: ModelFamily, cfg: DecoderConfig, dt
 
 
 def read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise GraphkilnError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory or hub id")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GraphkilnError(f"config.json in {model_dir} is not valid JSON ({exc}): fix or re-save it") from None
-    if not isinstance(raw, dict):
-        raise GraphkilnError(f"config.json in {model_dir} is not a JSON object: fix or re-save it")
+    """config.json of the checkpoint ``model_dir`` (``checkpoint_files``' rules: a regular file
+    inside the checkpoint, untrusted JSON), which must hold an object."""
+    raw = checkpoint_files.read_json_object(model_dir, "config.json", "fix or re-save it")
+    if raw is None:
+        raise GraphkilnError(f"{untrusted.show(str(model_dir), 120)} has no config.json: pass a Hugging Face "
+                             "checkpoint directory or hub id")
     return raw
 
 
