@@ -76,9 +76,10 @@ class RequestState:
     keys: list[bytes] = field(default_factory=list)
     saved_blocks: int = 0
     cached_tokens: int = 0
-    # LoRA (runtime.lora.AdapterPool): the adapter slot this request's rows use, held from admission
-    # (``StepBatch.plan``) to release; None: not acquired yet (0 once acquired: the base model). Its
-    # identity salts the prefix keys, so blocks are never shared across adapters.
+    # LoRA (runtime.lora.AdapterPool): the adapter slot this request's rows use, held from submission
+    # (``Scheduler.submit``; an Engine call's requests: admission, ``StepBatch.plan``) to release;
+    # None: not acquired yet (0 once acquired: the base model). Its identity salts the prefix keys,
+    # so blocks are never shared across adapters.
     adapter_slot: int | None = None
     adapter_salt: bytes = b""
     # structured output: the request's grammar matcher and next-step mask (request.constraint); None: free

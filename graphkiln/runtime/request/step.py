@@ -244,8 +244,10 @@ class StepBatch:
         return group, [len(r.prompt_ids) for r in group]
 
     def _acquire_adapter(self, r: RequestState) -> bool:
-        """Hold the request's LoRA adapter slot from admission on (``runtime.lora.AdapterPool``);
-        False, with the request failed, when its adapter was unloaded since it was submitted."""
+        """Hold the request's LoRA adapter slot (``runtime.lora.AdapterPool``) until
+        ``_release_adapter``: from admission for an Engine call's requests, from submission for the
+        Scheduler's (so a queued request's adapter is neither unloaded nor evicted). False, with the
+        request failed, when its adapter was unloaded since it was checked."""
         adapters = self.prep.adapters
         if adapters is None:
             r.adapter_slot = 0
