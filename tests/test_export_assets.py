@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,23 +104,24 @@ def test_damaged_tokenizer_files_are_refused_at_export(tok_case, checkpoint_copy
 
 # -- files that are not regular files of the checkpoint -------------------------------------------
 
-def _unblock_fifo_later(path: Path, after: float = 20.0) -> threading.Event:
-    """From ``after`` seconds on, keep opening and closing ``path``'s write end until the returned
-    event is set, so code that (wrongly) blocks opening the FIFO, however often, ends with a failed
-    test rather than a hung suite."""
-    done = threading.Event()
+# Opens a FIFO's write end (and closes it) every half second from 20 s on: a process of its own,
+# since a reader blocked opening the FIFO may hold the GIL (safetensors' Rust open does).
+_UNBLOCKER = """
+import os, sys, time
+time.sleep(20)
+while True:
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+    time.sleep(0.5)
+"""
 
-    def unblock():
-        done.wait(after)
-        while not done.is_set():
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass  # no reader blocked on it now
-            done.wait(0.5)
 
-    threading.Thread(target=unblock, daemon=True).start()
-    return done
+def _unblock_fifo_later(path: Path) -> subprocess.Popen:
+    """Code that (wrongly) blocks opening the FIFO ``path``, however often, ends with a failed test
+    rather than a hung suite; kill the returned process when the test is done."""
+    return subprocess.Popen([sys.executable, "-c", _UNBLOCKER, str(path)])
 
 
 READ_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -153,7 +155,8 @@ def test_checkpoint_files_must_be_regular_files_inside_it(tok_case, checkpoint_c
         export_fails(capsys, ckpt, out_dir, name, *KINDS[kind])
     finally:
         if unblocking is not None:
-            unblocking.set()
+            unblocking.kill()
+            unblocking.wait()
 
 
 def _hub_snapshot(ckpt: Path, root: Path) -> Path:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 # Activations the export-friendly MLP implements (see decoder._ACTIVATIONS).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2")
@@ -465,7 +466,8 @@ def parse_dense(
     act = cfg_str(raw, "hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise GraphkilnError(
-            f"hidden_act '{act}' in config.json is not supported: graphkiln implements {', '.join(SUPPORTED_ACTIVATIONS)}"
+            f"hidden_act {show(act)} in config.json is not supported: graphkiln implements "
+            f"{', '.join(SUPPORTED_ACTIVATIONS)}"
         )
     eps = cfg_float(raw, "rms_norm_eps", None, min=0)
     if eps is None:

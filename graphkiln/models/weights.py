@@ -55,11 +55,12 @@ def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Te
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope.rope_type not in ROPE_INIT_FUNCTIONS:
-        raise GraphkilnError(f"unknown rope_type '{rope.rope_type}' in config.json")
+        raise GraphkilnError(f"unknown rope_type {untrusted.show(rope.rope_type)} in config.json")
     fields = dict(cfg.raw)
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise GraphkilnError(f"config.json: 'model_type' is {model_type!r}, which transformers does not know: "
+        raise GraphkilnError(f"config.json: 'model_type' is {untrusted.show(model_type)}, which transformers does not "
+                             "know: "
                              f"rope_type '{rope.rope_type}' needs it; fix config.json")
     try:
         # transformers' own config class for the model type (never a checkpoint's code: no
