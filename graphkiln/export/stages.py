@@ -375,7 +375,7 @@ def export_stage(decoder, plan, out_dir: Path, targets: tuple[str, ...], opts, s
     ``stage{k}.onnx`` + ``stage{k}.onnx.data``); returns its graph in every target, the custom ops
     they use, and whether it wrote its own copy of a tied head.
 
-    The stage graph is lowered for every target by ``graph_exporters.lower_for_targets``, as the
+    The stage graph is lowered for every target by ``lowering.targets.lower_for_targets``, as the
     single graph is (same passes, opset and IR version): with several targets the other targets'
     graphs are copies of the stage's traced proto (``stage{k}.<target>.onnx``) reading its data
     file, lowered before the primary one is lowered in place (a MoE stage's onnxruntime graph adds
@@ -383,7 +383,7 @@ def export_stage(decoder, plan, out_dir: Path, targets: tuple[str, ...], opts, s
     manifest holds one per target; its files are every target's."""
     from graphkiln.export.custom_ops import registry as custom_ops
     from graphkiln.export.external_data import save_model
-    from graphkiln.export.graph_exporters import lower_for_targets
+    from graphkiln.export.lowering.targets import lower_for_targets
     from graphkiln.export.onnx_export import IR_FOR_OPSET, NP_DTYPE
 
     t0 = time.perf_counter()

@@ -69,18 +69,28 @@ def _feature_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
-    vision = sub_config(raw, "vision_config")
-    model_type = vision.get("model_type", "clip_vision_model")
+def _tower(raw: dict) -> tuple[str, int]:
+    """``TOWERS``' entry for the checkpoint's vision tower (refused when there is none)."""
+    model_type = sub_config(raw, "vision_config").get("model_type", "clip_vision_model")
     if model_type not in TOWERS:
         raise GraphkilnError(f"config.json: vision_config.model_type {model_type!r} is not supported for {ARCH}: "
                              f"graphkiln exports {', '.join(TOWERS)} towers")
-    _, extra = TOWERS[model_type]
+    return TOWERS[model_type]
+
+
+def _vision_layers(raw: dict) -> tuple[int, ...]:
+    """The tower's hidden states the projector reads (``_feature_layers`` of its depth)."""
+    return _feature_layers(raw, sub_config(raw, "vision_config").get("num_hidden_layers", 12))
+
+
+def _parse_vision(raw: dict, preprocessor: dict) -> VisionConfig:
+    vision = sub_config(raw, "vision_config")
+    _, extra = _tower(raw)
     size, patch = vision.get("image_size", 224), vision.get("patch_size", 32)
     for key, value in (("image_size", size), ("patch_size", patch)):
         if type(value) is not int or value <= 0:
             raise config_error(f"vision_config.{key}", value, "a positive integer")
-    _feature_layers(raw, vision.get("num_hidden_layers", 12))
+    _vision_layers(raw)
     strategy = raw.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise config_error("vision_feature_select_strategy", strategy, '"default" or "full"')
@@ -99,14 +109,14 @@ def _reads(name: str) -> bool:
 def _check(src: Path, vcfg: VisionConfig) -> None:
     from graphkiln.models.llava_vision import check_llava_vision
 
-    check_llava_vision(src, vcfg)
+    check_llava_vision(src, vcfg, _tower(vcfg.raw)[0])
 
 
 def _build(src: Path, vcfg: VisionConfig, dtype: str):
     """The vision graph's torch module with the checkpoint's weights (see the module docstring)."""
     from graphkiln.models.llava_vision import build_llava_vision
 
-    return build_llava_vision(src, vcfg, dtype)
+    return build_llava_vision(src, vcfg, dtype, _tower(vcfg.raw)[0], _vision_layers(vcfg.raw))
 
 
 # cfg.raw is the text config (what the rope init functions and _source read), not the VLM's

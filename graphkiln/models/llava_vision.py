@@ -1,5 +1,8 @@
 """The torch module of LLaVA's vision graph (see ``models.llava``): transformers' own tower and
-LLaVA's projector, with the checkpoint's weights, whose forward is the ``models.vision`` contract."""
+LLaVA's projector, with the checkpoint's weights, whose forward is the ``models.vision`` contract.
+
+Below ``models.llava``: what config.json says (the tower's transformers class, the hidden states
+the projector reads) the family parses and passes in; nothing here imports the family."""
 
 from __future__ import annotations
 
@@ -64,18 +67,16 @@ def match_tensors(module: nn.Module, headers: dict[str, dict], prefixes: tuple[s
     return wanted
 
 
-def _modules(vcfg: VisionConfig, device: str):
+def _modules(vcfg: VisionConfig, tower_class: str, device: str):
     import transformers
     from transformers import LlavaConfig
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-
-    from graphkiln.models.llava import TOWERS
 
     raw = {k: v for k, v in vcfg.raw.items() if k not in ("architectures", "transformers_version", "auto_map")}
     cfg = LlavaConfig(**raw)
     cfg.vision_config._attn_implementation = "eager"  # plain MatMul/Softmax in the graph
     with torch.device(device):
-        tower = getattr(transformers, TOWERS[cfg.vision_config.model_type][0])(cfg.vision_config)
+        tower = getattr(transformers, tower_class)(cfg.vision_config)
         projector = LlavaMultiModalProjector(cfg)
     return cfg, tower, projector
 
@@ -84,10 +85,10 @@ _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
-def check_llava_vision(src: Path, vcfg: VisionConfig) -> None:
+def check_llava_vision(src: Path, vcfg: VisionConfig, tower_class: str) -> None:
     """What ``build_llava_vision`` would refuse about the weights, from the headers alone (export
-    runs it before creating its output)."""
-    _, tower, projector = _modules(vcfg, "meta")
+    runs it before creating its output). ``tower_class``: the tower's transformers model class."""
+    _, tower, projector = _modules(vcfg, tower_class, "meta")
     headers = tensor_headers(src)
     match_tensors(tower, headers, _TOWER_PREFIXES, "vision tower")
     match_tensors(projector, headers, _PROJECTOR_PREFIXES, "projector")
@@ -100,13 +101,12 @@ def load_tensors(module: nn.Module, src: Path, headers: dict[str, dict], prefixe
     module.load_state_dict({key: tensors[name] for key, name in wanted.items()}, strict=True, assign=True)
 
 
-def build_llava_vision(src: Path, vcfg: VisionConfig, dtype: str) -> LlavaVisionForExport:
-    from graphkiln.models.llava import _feature_layers
-
+def build_llava_vision(src: Path, vcfg: VisionConfig, dtype: str, tower_class: str,
+                       layers: tuple[int, ...]) -> LlavaVisionForExport:
+    """``layers``: the hidden-state indices the projector reads (0: the embeddings), in order."""
     # built on the CPU, not the meta device: the towers' non-persistent buffers (position ids) are
     # not in the checkpoint; a tower is small beside its decoder
-    cfg, tower, projector = _modules(vcfg, "cpu")
-    layers = _feature_layers(vcfg.raw, cfg.vision_config.num_hidden_layers)
+    cfg, tower, projector = _modules(vcfg, tower_class, "cpu")
     headers = tensor_headers(src)
     load_tensors(tower, src, headers, _TOWER_PREFIXES, dtype, "vision tower")
     load_tensors(projector, src, headers, _PROJECTOR_PREFIXES, dtype, "projector")

@@ -171,13 +171,13 @@ def _reads(name: str) -> bool:
 def _check(src, vcfg: VisionConfig) -> None:
     from graphkiln.models.qwen2_5_vl_vision import check_qwen_vision
 
-    check_qwen_vision(src, vcfg)
+    check_qwen_vision(src, vision_fields(vcfg.raw))
 
 
 def _build(src, vcfg: VisionConfig, dtype: str):
     from graphkiln.models.qwen2_5_vl_vision import build_qwen_vision
 
-    return build_qwen_vision(src, vcfg, dtype)
+    return build_qwen_vision(src, vision_fields(vcfg.raw), dtype)
 
 
 FAMILY = register(ModelFamily(ARCH, _parse_text, _source, vision=VisionFamily(_parse_vision, _reads, _check, _build)))

@@ -15,6 +15,9 @@ runtime derives from the grids (``runtime.backends.vision_groups``):
 
 Patches stay in the processor's order throughout (see ``runtime.backends.vision_groups`` for why that is
 transformers' result without its window permutation), so output row k is merge unit k.
+
+Below ``models.qwen2_5_vl``: the family checks ``vision_config`` (``vision_fields``) and passes
+the checked fields in; nothing here imports the family.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import torch
 from torch import nn
 
 from graphkiln.manifest import TensorSpec
-from graphkiln.models.vision import VisionConfig
 from graphkiln.models.weights import tensor_headers
 
 PREFIXES = ("model.visual.", "visual.")  # transformers 5 in-memory names, then what save_pretrained writes
@@ -211,23 +213,21 @@ def match_tensors(module: nn.Module, headers: dict[str, dict]) -> dict[str, str]
     return match_tensors(module, headers, PREFIXES, "vision tower")
 
 
-def _module(vcfg: VisionConfig, device: str) -> Qwen25VisionForExport:
-    from graphkiln.models.qwen2_5_vl import vision_fields
-
-    v = vision_fields(vcfg.raw)
+def _module(v: dict, device: str) -> Qwen25VisionForExport:
     with torch.device(device):
         return Qwen25VisionForExport(v, v["window"])
 
 
-def check_qwen_vision(src: Path, vcfg: VisionConfig) -> None:
-    """What ``build_qwen_vision`` would refuse about the weights, from the shard headers alone."""
-    match_tensors(_module(vcfg, "meta"), tensor_headers(src))
+def check_qwen_vision(src: Path, fields: dict) -> None:
+    """What ``build_qwen_vision`` would refuse about the weights, from the shard headers alone.
+    ``fields``: ``vision_config`` as ``models.qwen2_5_vl.vision_fields`` checked it."""
+    match_tensors(_module(fields, "meta"), tensor_headers(src))
 
 
-def build_qwen_vision(src: Path, vcfg: VisionConfig, dtype: str) -> Qwen25VisionForExport:
+def build_qwen_vision(src: Path, fields: dict, dtype: str) -> Qwen25VisionForExport:
     from graphkiln.models.weights import read_tensors
 
-    module = _module(vcfg, "cpu")  # inv_freq is not in the checkpoint: built for real
+    module = _module(fields, "cpu")  # inv_freq is not in the checkpoint: built for real
     wanted = match_tensors(module, tensor_headers(src))
     tensors = read_tensors(src, list(wanted.values()), dtype)
     module.load_state_dict({key: tensors[name] for key, name in wanted.items()}, strict=True, assign=True)
