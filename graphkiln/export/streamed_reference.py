@@ -46,6 +46,36 @@ def transformers_reference_bytes(path: Path) -> int:
     return int(count * 4 * TRANSFORMERS_OVERHEAD)
 
 
+def streamed_reference_bytes(path: Path, perplexity: bool = False) -> int:
+    """About the memory the streamed reference of the checkpoint at ``path`` adds to this process at
+    its peak, from the safetensors headers alone (nothing read): the tools (``preflight.BASE_BYTES``)
+    unless torch is already imported, the largest layer in fp32 while it is read and converted
+    (``preflight.WORKING_FACTOR`` x), one head band (at most ``HEAD_BAND_BYTES``) and, with
+    ``perplexity``, a perplexity pass's hidden states (at most ``PERPLEXITY_PASS_BYTES``). The
+    logits it returns are not counted, as ``transformers_reference_bytes`` does not count
+    transformers': either reference returns the same, for verify's few short prompts."""
+    import re
+    import sys
+
+    from graphkiln.export.preflight import BASE_BYTES, WORKING_FACTOR
+    from graphkiln.models.weights import tensor_headers
+
+    layers: dict[str, int] = {}
+    vocab = hidden = 0
+    for name, h in tensor_headers(path).items():
+        count = math.prod(h["shape"])
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + count
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")) and len(h["shape"]) == 2:
+            vocab, hidden = max(vocab, int(h["shape"][0])), int(h["shape"][1])
+    largest = max(layers.values(), default=0) * 4
+    band = min(HEAD_BAND_BYTES, vocab * hidden * 4)
+    tools = 0 if "torch" in sys.modules else BASE_BYTES
+    passes = PERPLEXITY_PASS_BYTES if perplexity else 0
+    return int(tools + WORKING_FACTOR * largest + band + passes)
+
+
 def load_streamed_decoder(path: Path):
     """The checkpoint at ``path`` as a streamed fp32 ``DecoderForExport`` for ``streamed_logits``:
     nothing of it is resident but the small non-layer parameters (the template layers the streamed

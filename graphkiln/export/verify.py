@@ -195,9 +195,24 @@ def _refuse_auto_map(reference: str, path) -> None:
             "runs: verify against a checkpoint of a built-in transformers architecture (drop 'auto_map' if it is one)")
 
 
-def _use_streamed(streamed: bool | None, reference: str, path, vision: bool) -> bool:
+def _use_streamed(streamed: bool | None, reference: str, path, vision: bool, perplexity: bool = False) -> bool:
     """Whether to verify against the streamed reference: always with ``streamed=True``, never with
-    False, else when transformers' fp32 reference would not fit in the memory available."""
+    False, else when transformers' fp32 reference would not fit in the memory available. When it is
+    chosen and even it would not fit (its largest layer in fp32, ``streamed_reference_bytes``), one
+    GraphkilnError line naming the figure, before anything of the checkpoint is read."""
+    use = _choose_streamed(streamed, reference, path, vision)
+    if use:
+        from graphkiln.export.streamed_reference import streamed_reference_bytes
+        from graphkiln.memory import require_memory
+        from graphkiln.untrusted import show
+
+        need = streamed_reference_bytes(path, perplexity)
+        require_memory(need, f"the streamed reference of {show(reference)} (one layer at a time, in fp32)",
+                       "verify on a machine with more memory")
+    return use
+
+
+def _choose_streamed(streamed: bool | None, reference: str, path, vision: bool) -> bool:
     from graphkiln import memory
     from graphkiln.export.streamed_reference import transformers_reference_bytes
 
@@ -300,7 +315,8 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load (and kept
     # while the streamed reference reads them)
     with prepared_checkpoint(reference) as path:
-        if _use_streamed(streamed, reference, path, vision):
+        perplexity = engine.manifest.model.quant is not None and engine.tokenizer is not None
+        if _use_streamed(streamed, reference, path, vision, perplexity):
             _refuse_auto_map(reference, path)
             with StreamedReference(path) as model:
                 return _compare(engine, model, reference, steps, seed, batch_shapes, atol, min_agreement, text)
