@@ -381,8 +381,8 @@ def _lora_dir(text: str | None) -> tuple[str, Path] | None:
     path = adapter_directory(text)  # only a stat: a FIFO or an over-long name is one line, never a hang
     name = path.resolve().name
     if not name:
-        raise GraphkilnError(f"--lora {show(text)}: the adapter is named after its directory, and this one has no name: "
-                             "give the adapter's own directory")
+        raise GraphkilnError(f"--lora {show(text)}: the adapter is named after its directory, and this one has no "
+                             "name: give the adapter's own directory")
     return name, path
 
 
