@@ -125,3 +125,53 @@ def test_preflight_refuses_in_one_line_and_writes_nothing(tiny, tmp_path, monkey
     needles = ("GiB of memory", "--dtype fp16") if short == "memory" else ("no space left", "--quant int4", "--output")
     assert_one_error(code, capsys.readouterr().err, *needles)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "out"]
+
+
+def _estimate(checkpoint, **options):
+    from graphkiln.export import preflight
+    from graphkiln.export.layer_stamping import template_layers
+    from graphkiln.export.pipeline import ExportOptions
+    from graphkiln.models.config import architecture_of
+    from graphkiln.models.registry import family_for
+    from graphkiln.models.weights import CheckpointWeights, meta_decoder, read_config
+
+    raw = read_config(checkpoint)
+    family = family_for(architecture_of(raw))
+    cfg = family.parse_config(raw)
+    weights = CheckpointWeights(checkpoint, family, cfg, "fp32")
+    try:
+        return preflight.estimate(meta_decoder(cfg), ExportOptions(**options), ("onnxruntime",), template_layers(cfg),
+                                  weights)
+    finally:
+        weights.close()
+
+
+def test_preflight_counts_what_stages_and_vision_towers_hold(tmp_path):
+    """The estimate covers every path's resident layers: a pipeline stage's layers are all read for its
+    trace (not one layer of each kind), and a vision tower is loaded whole."""
+    import math
+
+    from conftest import VLM_SPECS
+    from graphkiln.models.weights import tensor_headers
+
+    from graphkiln.models.config import architecture_of
+    from graphkiln.models.registry import family_for
+    from graphkiln.models.weights import meta_decoder, read_config
+
+    ckpt = build_checkpoint(SPECS["lfm2"], tmp_path / "lfm2")  # 4 layers, conv and attention
+    raw = read_config(ckpt)
+    decoder = meta_decoder(family_for(architecture_of(raw)).parse_config(raw))
+    size = [sum(p.numel() * 4 for p in layer.parameters()) for layer in decoder.model.layers]
+    plain = _estimate(ckpt)
+    assert plain.template < sum(size)  # one layer of each kind
+    for options, stage in (({"stage_layers": "0:3,3:4"}, sum(size[:3])), ({"stage_layers": "0:1,1:4"}, sum(size[1:])),
+                           ({"stages": 2}, min(sum(size), -(-sum(size) // 2) + max(size)))):
+        assert _estimate(ckpt, **options).template == max(plain.template, stage) > plain.template, options
+    from graphkiln.export.layer_stamping import template_layers
+
+    vlm = build_checkpoint(VLM_SPECS["llava_clip"], tmp_path / "llava")
+    raw = read_config(vlm)
+    cfg = family_for(architecture_of(raw)).parse_config(raw)
+    text = sum(p.numel() * 4 for i in template_layers(cfg) for p in meta_decoder(cfg).model.layers[i].parameters())
+    tower = sum(math.prod(h["shape"]) for n, h in tensor_headers(vlm).items() if "vision" in n or "projector" in n)
+    assert _estimate(vlm).template >= text + tower * 4 > text

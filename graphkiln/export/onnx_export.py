@@ -147,7 +147,10 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
 
 def materialized(model: DecoderForExport) -> DecoderForExport:
     """A streamed decoder with every parameter read (the trace-every-layer fallback, which needs
-    them all: this one path holds the whole model)."""
+    them all: this one path holds the whole model; refused first when it does not fit)."""
+    from graphkiln.export.preflight import check_whole_model
+
+    check_whole_model(model)
     weights = model.weights
     for i, layer in enumerate(model.model.layers):
         if any(p.is_meta for p in layer.parameters()):

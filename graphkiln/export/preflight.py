@@ -12,6 +12,7 @@ the figures and what lowers them.
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,10 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
         table_work = stored_table + (64 << 20)  # an untied head is transposed from its stored bytes, a band at a time
     largest = max(layer_bytes, default=0)
     template_bytes = sum(layer_bytes[i] for i in template)
+    template_bytes = max(template_bytes, _largest_stage(opts, cfg, targets, layer_bytes))
+    if cfg.vision_seam and weights is not None:  # the vision tower (and projector) is loaded whole, in fp32
+        stored = sum(math.prod(weights.reader.header(n)["shape"]) for n in weights.reader.where)
+        template_bytes += max(0, stored - total_params) * 4
     peak = BASE_BYTES + template_bytes + int(WORKING_FACTOR * largest) + table_work
     disk = artifact
     moe = any(s.ffn == "moe" for s in cfg.layers)
@@ -76,6 +81,37 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
     if len(targets) > 1:
         disk += artifact // 4  # other targets' rewritten tensors (MoE experts), at most: a margin
     return Estimate(peak, disk, artifact, largest, template_bytes, table_work)
+
+
+def _largest_stage(opts, cfg, targets, layer_bytes: list[int]) -> int:
+    """The layer bytes of the largest pipeline stage (``--stages``/``--stage-layers``), all of whose
+    layers are read for its trace; 0 unstaged. ``--stages N`` is planned by bytes once the weights
+    are known: at most an even share plus one layer."""
+    from graphkiln.export.stages import check_stage_request
+
+    ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
+    if ranges is None:
+        return 0
+    if ranges:
+        return max(sum(layer_bytes[a:b]) for a, b in ranges)
+    total = sum(layer_bytes)
+    return min(total, -(-total // opts.stages) + max(layer_bytes, default=0))
+
+
+def check_whole_model(decoder) -> None:
+    """Before the trace-every-layer fallback (``onnx_export.materialized``: layer stamping refused
+    the graph) reads every layer and table of a streamed decoder: refuse in one line when they do
+    not fit in the memory available now, the one export path whose memory grows with the model."""
+    from graphkiln.memory import require_memory
+
+    missing = sum(p.numel() * p.element_size() for p in decoder.parameters() if p.is_meta)
+    tables = decoder.model.embed_tokens.weight.numel() * decoder.model.embed_tokens.weight.element_size()
+    tied = decoder.lm_head.weight is decoder.model.embed_tokens.weight
+    needed = missing + tables * (1 if tied else 2)  # the tables were placeholders: read now
+    remedy = "export with --dtype fp16" if decoder.model.embed_tokens.weight.element_size() == 4 else \
+        "export on a machine with more memory"
+    require_memory(needed, "tracing every layer (layer stamping refused this graph, so the whole model is read)",
+                   remedy)
 
 
 def check_memory(est: Estimate, opts) -> None:
