@@ -318,3 +318,34 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
             np.testing.assert_allclose([lp.logprob for lp in r.prompt_logprobs[1:]],
                                        [lp.logprob for lp in a.prompt_logprobs[1:]], atol=1e-4)
     assert engine.pool.live == 0
+
+
+def test_a_draft_models_catch_up_is_spread_over_steps(tiny):
+    """A speculating request's draft model first catches up on its whole prompt: under a step
+    budget that is fed at most the budget per step (the row decodes plainly meanwhile), so a long
+    prompt's draft prefill stalls no step; the tokens equal plain decoding. (The draft is the
+    target itself: no export; drafting forced with cost 0.)"""
+    case = tiny("llama_gqa_bias")
+    engine = Engine.load(case.artifact, threads=1, draft=case.artifact, draft_cost=0.0)
+    prompt = case.prompts((100,), salt=98)[0]
+    plain = engine_alone(engine, prompt, 12)
+    sched = Scheduler(engine, max_batch=2, step_tokens=24)
+    fed, plan, run = [], sched._batch.plan, engine.draft.runner.run
+
+    def counting_plan(waiting):
+        fed.append(0)
+        return plan(waiting)
+
+    def counting_run(pool, input_ids, *args, **kwargs):
+        fed[-1] += input_ids.shape[1]
+        return run(pool, input_ids, *args, **kwargs)
+
+    sched._batch.plan = counting_plan
+    engine.draft.runner.run = counting_run
+    sched.start()
+    try:
+        got = sched.submit(prompt, _greedy(12, speculative="draft:4")).result(timeout=120)
+    finally:
+        sched.shutdown(10)
+    assert got.token_ids == plain
+    assert sum(fed) >= 100 and max(fed) <= 24 + 4, fed  # the budget's catch-up, then at most k drafts

@@ -137,10 +137,12 @@ class DraftModel:
         return self.pool.capacity - position
 
     def propose(self, spec: Speculator, sequence: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+                rng: np.random.Generator, most: int | None = None) -> Proposal:
         """k drafts continuing ``sequence`` (the request's prompt and tokens so far); after it the
         draft's cache holds ``sequence`` and the first k-1 drafts (``spec.draft_done`` is set to
-        that; the caller lowers it to what verification kept)."""
+        that; the caller lowers it to what verification kept). ``most``: the most tokens it may
+        feed to catch up (the scheduler's step budget: a long prompt's catch-up must not stall
+        the step); further behind, it feeds that many and proposes nothing this time."""
         if spec.draft_slot is None:
             if not self.pool.free_slots:
                 return Proposal([])
@@ -155,6 +157,13 @@ class DraftModel:
             self.pool.restore_slot_states(spec.draft_slot, spec.draft_saved[1])
         feed = sequence[spec.draft_done:]
         pos = spec.draft_done
+        if most is not None and len(feed) > most:
+            for at in range(0, most, CATCH_UP_CHUNK):
+                part = feed[at: min(at + CATCH_UP_CHUNK, most)]
+                self._run(spec.draft_slot, part, pos, greedy)
+                pos += len(part)
+            spec.draft_done = spec.draft_fed = pos
+            return Proposal([])
         while True:
             for at in range(0, len(feed), CATCH_UP_CHUNK):
                 part = feed[at: at + CATCH_UP_CHUNK]

@@ -314,7 +314,9 @@ class StepBatch:
         takes several tokens onto a filled cache for one row only), the others decode one token
         each in one run per contiguous range of their slots."""
         reqs = plan.decode
-        proposals = {r.slot: self._propose(r, len(reqs)) for r in reqs if r.speculator is not None}
+        # what the step's draft-model catch-ups may feed, together: the step's budget
+        allowance = [math.inf if self.step_tokens is None else self.step_tokens]
+        proposals = {r.slot: self._propose(r, len(reqs), allowance) for r in reqs if r.speculator is not None}
         runs, group = [], []
         for r in reqs:
             proposal = proposals.get(r.slot)
@@ -332,9 +334,11 @@ class StepBatch:
             runs.append(self._decode_run(group))
         return runs
 
-    def _propose(self, r: RequestState, rows: int) -> Proposal | None:
+    def _propose(self, r: RequestState, rows: int, allowance: list[float]) -> Proposal | None:
         """Request r's drafts for this step (``request.speculate``), or None: not worth a run of
-        its own among ``rows`` decode rows, paused, or no room left."""
+        its own among ``rows`` decode rows, paused, or no room left. A draft model catches up on
+        the request's tokens within ``allowance[0]`` tokens, shared by the step's rows (a long
+        prompt's catch-up is spread over steps, the row decoding plainly meanwhile)."""
         spec = r.speculator
         if not spec.worth(rows):
             return None
@@ -349,7 +353,11 @@ class StepBatch:
             return None
         if spec.source == "ngram":
             return Proposal(ngram_draft(sequence, k))
-        return self.prep.draft.propose(spec, sequence, k, r.params, r.rng)
+        if allowance[0] == math.inf:  # no step budget (Engine.generate): caught up whole
+            return self.prep.draft.propose(spec, sequence, k, r.params, r.rng)
+        most = int(allowance[0])
+        allowance[0] = max(0, most - (len(sequence) - spec.draft_done))
+        return self.prep.draft.propose(spec, sequence, k, r.params, r.rng, most=most)
 
     def _decode_run(self, reqs: list[RequestState]):
         """(args, kwargs, finish) of a run of decode rows, one token each, over their slots (contiguous)."""
