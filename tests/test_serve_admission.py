@@ -249,3 +249,52 @@ def test_unseen_refusal_only_past_the_bound(artifact):
         r = s.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": at}]})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "messages" and "characters" in err["message"], err
+
+
+@pytest.mark.parametrize("scored", [True, False], ids=["echo-logprobs", "generating"])
+def test_a_many_prompt_completion_does_not_hold_back_a_later_request(artifact, scored):
+    """A /v1/completions with 10 prompts (issue 37: 64 of ~1,100 tokens, echo with logprobs 1 and
+    max_tokens 0, held a 16-token chat for 260 s) is one submission: a short request that arrives
+    while its first prompts run is admitted at the next scheduler step, before the completion's
+    remaining prompts, and both answer 200. Steps are counted, not timed: the completion's runs
+    wait (at most 30 s) until the short request has been submitted."""
+    big = {"model": MODEL, "prompt": [[5 + i] * 12 for i in range(10)], "max_tokens": 0 if scored else 1,
+           "temperature": 0, **({"echo": True, "logprobs": 1} if scored else {})}
+    short = {"model": MODEL, "prompt": list(range(7, 15)), "max_tokens": 2, "temperature": 0}  # no room beside one of them
+    with serving(artifact, max_batch=4, step_tokens=16) as s:
+        sched, steps, arrived = s.scheduler, [], threading.Event()
+        plan, submit, run = sched._batch.plan, sched.submit, sched.engine.decoder.run
+        short_ids = []
+
+        def counting_plan(waiting):
+            p = plan(waiting)
+            steps.append([r.index for r in p.starting])
+            return p
+
+        def noting_submit(prompt, config=None, **kw):
+            h = submit(prompt, config, **kw)
+            if list(prompt) == short["prompt"]:
+                short_ids.append((h.id, len(steps)))
+                arrived.set()
+            return h
+
+        def waiting_run(*args, **kwargs):  # the stepping thread: the completion's runs wait for the short request
+            if len(steps) >= 2:
+                arrived.wait(30)
+            return run(*args, **kwargs)
+
+        sched._batch.plan, sched.submit, sched.engine.decoder.run = counting_plan, noting_submit, waiting_run
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(s.post, "/v1/completions", big)
+            while len(steps) < 2:
+                time.sleep(0.01)
+            r = s.post("/v1/completions", short)
+            answer = future.result()
+        assert r.status_code == 200 and answer.status_code == 200, (r.text, answer.text)
+        assert len(answer.json()["choices"]) == 10
+        (short_id, submitted_at), = short_ids
+        admitted = next(i for i, ids in enumerate(steps) if short_id in ids)
+        # submitted while step submitted_at - 1 ran (its runs waited for it): admitted by the next plan
+        assert admitted == submitted_at, steps
+        assert sum(len(ids) for ids in steps[admitted + 1:]) > 0  # the completion's prompts ran after it
+        s.wait_idle()
