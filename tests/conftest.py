@@ -764,6 +764,51 @@ def checkpoint_copy(tmp_path):
     return make
 
 
+def checkpoint_claiming_a_huge_layer(checkpoint: Path, out: Path) -> Path:
+    """A copy of the Llama ``checkpoint`` whose MLPs are so wide that one layer in fp32 is 1.5x the
+    memory available now (config and safetensors headers agree). Each widened weight is a shard of
+    its own, a sparse file (os.truncate: no disk) of half the available memory, so safetensors can
+    map it (the kernel refuses one mapping beyond the machine's memory) though nothing fits."""
+    import math
+    import os
+    import struct
+
+    from graphkiln.memory import available_memory
+
+    out.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    intermediate = available_memory() // 2 // (config["hidden_size"] * 4)
+    config["intermediate_size"] = intermediate
+    (out / "config.json").write_text(json.dumps(config))
+    with open(checkpoint / "model.safetensors", "rb") as f:
+        original = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    shards: dict[str, dict] = {}
+    for name, entry in original.items():
+        if name == "__metadata__":
+            continue
+        shape = list(entry["shape"])
+        shard = "model.safetensors"
+        if ".mlp." in name and "down_proj.bias" not in name:  # gate/up [I, H] and their biases [I]; down [H, I]
+            shape[-1 if "down_proj.weight" in name else 0] = intermediate
+            if name.endswith(".weight"):
+                shard = f"{name}.safetensors"
+        shards.setdefault(shard, {})[name] = shape
+    for shard, tensors in shards.items():
+        header, offset = {}, 0
+        for name, shape in tensors.items():
+            size = math.prod(shape) * 4
+            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with open(out / shard, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+        os.truncate(out / shard, 8 + len(text) + offset)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct's Q4_1 GGUF file itself (the real_checkpoint's source, from the

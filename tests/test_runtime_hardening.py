@@ -28,6 +28,7 @@ from graphkiln.runtime.request.sampling import NonFiniteLogits, SamplingParams, 
 from graphkiln.memory import available_memory
 from graphkiln.runtime.backends.state import StatePool
 from cli_contract import assert_one_error, run_cli
+from conftest import checkpoint_claiming_a_huge_layer
 
 EMBED = "model.embed_tokens.weight"  # [vocab, hidden] in the checkpoint and in the portable graph
 # The portable llama graph's lm_head, stored transposed [hidden, vocab] under a name the exporter
@@ -579,49 +580,6 @@ def test_engine_refuses_a_generation_whose_state_does_not_fit(llama_case, max_ne
         [r.token_ids for r in llama_case.engine.generate(prompts, greedy_cfg(5))]
 
 
-def _reference_claiming_a_huge_layer(case, out: Path) -> Path:
-    """A copy of ``case``'s checkpoint whose MLPs are so wide that one layer in fp32 is 1.5x the
-    memory available now (config and safetensors headers agree). Each widened weight is a shard of
-    its own, a sparse file (os.truncate: no disk) of half the available memory, so safetensors can
-    map it (the kernel refuses one mapping beyond the machine's memory) though nothing fits."""
-    import os
-    import shutil
-    import struct
-
-    out.mkdir()
-    for name in ("config.json", "generation_config.json"):
-        shutil.copy(case.checkpoint / name, out / name)
-    config = json.loads((out / "config.json").read_text())
-    intermediate = available_memory() // 2 // (config["hidden_size"] * 4)
-    config["intermediate_size"] = intermediate
-    (out / "config.json").write_text(json.dumps(config))
-    with open(case.checkpoint / "model.safetensors", "rb") as f:
-        original = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-    shards: dict[str, dict] = {}
-    for name, entry in original.items():
-        if name == "__metadata__":
-            continue
-        shape = list(entry["shape"])
-        shard = "model.safetensors"
-        if ".mlp." in name and "down_proj.bias" not in name:  # gate/up [I, H] and their biases [I]; down [H, I]
-            shape[-1 if "down_proj.weight" in name else 0] = intermediate
-            if name.endswith(".weight"):
-                shard = f"{name}.safetensors"
-        shards.setdefault(shard, {})[name] = shape
-    for shard, tensors in shards.items():
-        header, offset = {}, 0
-        for name, shape in tensors.items():
-            size = math.prod(shape) * 4
-            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        with open(out / shard, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-        os.truncate(out / shard, 8 + len(text) + offset)
-    return out
-
-
 @pytest.mark.parametrize("how", ["auto", "--streamed-reference", "api"])
 def test_verify_refuses_a_reference_whose_streamed_layer_does_not_fit(llama_case, tmp_path, capsys, how):
     """Neither transformers' reference nor the streamed one (a layer at a time, in fp32) fits: one
@@ -629,7 +587,7 @@ def test_verify_refuses_a_reference_whose_streamed_layer_does_not_fit(llama_case
     reference allocated the 3.3 TB layer)."""
     from graphkiln.export.verify import verify_artifact
 
-    ref = _reference_claiming_a_huge_layer(llama_case, tmp_path / "reference")
+    ref = checkpoint_claiming_a_huge_layer(llama_case.checkpoint, tmp_path / "reference")
     if how == "api":
         with pytest.raises(GraphkilnError) as caught:
             verify_artifact(llama_case.artifact, str(ref), steps=4, streamed=True, engine=llama_case.engine)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LORA_EXPORT, MAX_SEQ_LEN, SPECS, Spec, assert_same_artifact, build_checkpoint
+from conftest import (LORA_EXPORT, MAX_SEQ_LEN, SPECS, Spec, assert_same_artifact, build_checkpoint,
+                      checkpoint_claiming_a_huge_layer)
 
 # --------------------------------------------------------------------------- the memory bound
 
@@ -113,18 +114,19 @@ def test_preflight_refuses_in_one_line_and_writes_nothing(tiny, tmp_path, monkey
     from graphkiln.export import preflight
 
     case = tiny("llama_gqa_bias")
-    if short == "memory":
-        monkeypatch.setattr(preflight, "available_memory", lambda: 10 << 20)
+    checkpoint = case.checkpoint
+    if short == "memory":  # sparse shards claiming a layer of 1.5x the memory available (no mock)
+        checkpoint = checkpoint_claiming_a_huge_layer(case.checkpoint, tmp_path / "huge")
     else:
         usage = shutil.disk_usage(tmp_path)
         monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=1000))
     from cli_contract import assert_one_error
 
     out = tmp_path / "out"
-    code = main(["export", str(case.checkpoint), "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN)])
+    code = main(["export", str(checkpoint), "-o", str(out), "--max-seq-len", str(MAX_SEQ_LEN)])
     needles = ("GiB of memory", "--dtype fp16") if short == "memory" else ("no space left", "--quant int4", "--output")
     assert_one_error(code, capsys.readouterr().err, *needles)
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "out"]
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name not in ("out", "huge")]
 
 
 def _estimate(checkpoint, **options):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.memory import available_memory
 
 # Measured on this machine's exports of the suite's tiny models (peak RSS with nothing loaded):
 # the interpreter with torch, onnx, onnxscript and transformers imported, plus the exporter's trace.
@@ -115,16 +114,16 @@ def check_whole_model(decoder) -> None:
 
 
 def check_memory(est: Estimate, opts) -> None:
-    """Refuse in one line when the memory available now cannot hold the export's peak."""
+    """Refuse in one line (``memory.require_memory``) when the memory available now cannot hold the
+    export's peak."""
+    from graphkiln.memory import require_memory
+
     gib = 2 ** 30
-    available = available_memory()
-    if available is not None and est.peak_memory > available:
-        remedy = "export with --dtype fp16" if opts.dtype == "fp32" else "free memory"
-        raise GraphkilnError(
-            f"this export needs about {est.peak_memory / gib:.1f} GiB of memory at its peak (the traced layers "
-            f"{est.template / gib:.1f} GiB, one layer {est.largest_layer / gib:.1f} GiB twice, the embedding/head "
-            f"{est.table / gib:.1f} GiB, {BASE_BYTES / gib:.1f} GiB for the tools) but {available / gib:.1f} GiB is "
-            f"available: {remedy}, or close other programs")
+    require_memory(est.peak_memory,
+                   f"this export (at its peak: the traced layers {est.template / gib:.1f} GiB, one layer "
+                   f"{est.largest_layer / gib:.1f} GiB twice, the embedding/head {est.table / gib:.1f} GiB, "
+                   f"{BASE_BYTES / gib:.1f} GiB for the tools)",
+                   "export with --dtype fp16" if opts.dtype == "fp32" else "export on a machine with more memory")
 
 
 def check_disk(est: Estimate, where: Path, target: Path, opts) -> None:
