@@ -656,7 +656,7 @@ def sampling_default_case(tiny) -> Case:
 REAL_EXPORT_OPTIONS = dict(progress=False, max_seq_len=512)
 REPO = Path(__file__).resolve().parents[1]
 # what shapes the exported artifact besides the checkpoint and the options: hashed into the cache key
-_REAL_EXPORT_SOURCES = ("graphkiln/export", "graphkiln/models", "graphkiln/ops", "graphkiln/manifest.py",
+_REAL_EXPORT_SOURCES = ("graphkiln/export", "graphkiln/models", "graphkiln/ops", "graphkiln/manifest",
                         "graphkiln/artifact.py", "graphkiln/publish.py", "scripts/real_checkpoint.py")
 REAL_READY = "READY"  # written last, after the checkpoint and the artifact are both in place
 REAL_UNAVAILABLE = "UNAVAILABLE"  # the package could not be fetched: its reason, so no worker retries
