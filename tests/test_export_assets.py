@@ -10,6 +10,7 @@ that nothing was published:
   refuse a plain conversation, render empty text, or are given special tokens the tokenizer lacks;
 - every file export reads from the checkpoint, as a link out of it, a dangling link, a FIFO or a
   directory in the file's place (links inside it, as the hub cache makes them, are followed);
+  preprocessor_config.json (vision-language checkpoints only) on its reader;
 - hostile JSON in every checkpoint JSON file: deep nesting, a 5,000-digit integer, bytes that are
   not UTF-8.
 """
@@ -226,3 +227,29 @@ def test_config_json_with_a_5000_digit_vocab_size(tok_case, checkpoint_copy, out
     vocab = json.loads(text)["vocab_size"]
     (ckpt / "config.json").write_text(text.replace(f'"vocab_size": {vocab}', '"vocab_size": ' + "9" * 5000))
     export_fails(capsys, ckpt, out_dir, "config.json", "cannot be read")
+
+
+@pytest.mark.parametrize("kind", ["link-outside", "fifo", "directory", "deep", "5000-digit-int"])
+def test_preprocessor_config_is_a_regular_file_of_untrusted_json(tmp_path, kind):
+    """A vision-language checkpoint's preprocessor_config.json (read by export alone, so tested on
+    the reader: no tiny VLM export needed), under the rules of every other checkpoint file."""
+    from graphkiln.errors import GraphkilnError
+    from graphkiln.export.assets import read_preprocessor_config
+
+    ckpt, outside = tmp_path / "checkpoint", tmp_path / "elsewhere.json"
+    ckpt.mkdir()
+    outside.write_text('{"image_processor_type": "CLIPImageProcessor"}')
+    path = ckpt / "preprocessor_config.json"
+    if kind == "link-outside":
+        path.symlink_to(outside)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000 if kind == "deep" else '{"size": ' + "9" * 5000 + "}")
+    needle = {"link-outside": "outside", "fifo": "is a FIFO", "directory": "is a directory", "deep": "nests deeper",
+              "5000-digit-int": "cannot be read"}[kind]
+    with pytest.raises(GraphkilnError, match=needle) as e:
+        read_preprocessor_config(ckpt)
+    assert "preprocessor_config.json" in str(e.value) and "\n" not in str(e.value)
