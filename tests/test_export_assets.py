@@ -175,6 +175,7 @@ def _hub_snapshot(ckpt: Path, root: Path) -> Path:
 def test_links_inside_the_checkpoint_are_followed_and_links_out_of_it_refused(tok_case, checkpoint_copy, tmp_path,
                                                                                capsys):
     from graphkiln.chat import load_template
+    from graphkiln.models.weights import tensor_headers
     from graphkiln.runtime import Engine
 
     ckpt = checkpoint_copy(tok_case)
@@ -189,6 +190,13 @@ def test_links_inside_the_checkpoint_are_followed_and_links_out_of_it_refused(to
     engine = Engine.load(art)
     chat = load_template(engine)
     assert chat.render([{"role": "user", "content": "hi"}]) == "<s>user: hi\nassistant:"
+
+    # an older `--local-dir` download: real files, the large ones links to the hub cache's blobs
+    local = tmp_path / "local"
+    shutil.copytree(ckpt, local)
+    (local / "model.safetensors").unlink()
+    (local / "model.safetensors").symlink_to((snapshot / "model.safetensors").resolve())
+    assert "model.embed_tokens.weight" in tensor_headers(local)  # the shards' reader, as export opens them
 
     secret = tmp_path / "secret.txt"
     secret.write_text("SECRET {{ messages }}")

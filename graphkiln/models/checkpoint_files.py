@@ -10,7 +10,9 @@ safetensors shards) is opened or parsed through here, so one rule holds for all 
 - The root is the checkpoint directory itself (its real path), except for a Hugging Face hub
   cache snapshot (``models--org--name/snapshots/<revision>``, the directory ``snapshot_download``
   returns), whose files are links into the repository's ``blobs`` folder: there the root is the
-  repository's cache folder, which holds both.
+  repository's cache folder, which holds both. A link to a hub cache blob
+  (``models--org--name/blobs/<hash>``) is a downloaded file too, as older ``--local-dir``
+  downloads link their large files: it is read.
 - A file is absent only when there is no directory entry by its name at all; a dangling link is
   refused like any unreadable file.
 - JSON is parsed by ``untrusted.parse_json`` (deep nesting, 5,000-digit integers and bad UTF-8
@@ -38,6 +40,17 @@ def checkpoint_root(src: Path) -> Path:
     return real
 
 
+def _within(path: Path, src: Path) -> Path:
+    """The root ``path`` (a file of checkpoint ``src``) must lie in: the checkpoint's, or the hub
+    cache repository whose blob it links to."""
+    root = checkpoint_root(src)
+    real = Path(os.path.realpath(path))
+    if (not untrusted.inside(real, root) and real.parent.name == "blobs"
+            and real.parent.parent.name.startswith("models--")):
+        return real.parent.parent
+    return root
+
+
 def present(src: Path, name: str) -> bool:
     """Whether the checkpoint has an entry ``name`` (of any kind: a FIFO or a dangling link counts,
     so that it is refused when read rather than passed over as absent)."""
@@ -51,7 +64,7 @@ def _what(path: Path) -> str:
 def open_file(path: Path, src: Path, fix: str) -> BinaryIO:
     """``path`` (a file of checkpoint ``src``) opened for reading, when it is a regular file inside
     the checkpoint; anything else is one error line ending in ``fix``."""
-    return untrusted.open_regular(path, _what(path), fix, within=checkpoint_root(src))
+    return untrusted.open_regular(path, _what(path), fix, within=_within(path, src))
 
 
 def check_file(path: Path, src: Path, fix: str) -> None:
@@ -65,7 +78,7 @@ def read_bytes(src: Path, name: str, fix: str, limit: int) -> bytes | None:
     if not present(src, name):
         return None
     path = src / name
-    return untrusted.read_regular(path, _what(path), fix, limit, within=checkpoint_root(src))
+    return untrusted.read_regular(path, _what(path), fix, limit, within=_within(path, src))
 
 
 def parse_json(data: bytes, name: str, src: Path, fix: str) -> Any:
