@@ -86,6 +86,8 @@ DAMAGED = {
                                     ["chat template", "cannot render", "refused"]),
     "template-type-error": (_write("chat_template.jinja", "{{ messages[0]['content'] + 1 }}"),
                             ["chat template", "cannot render", "TypeError"]),
+    "template-output-bomb": (_write("chat_template.jinja", "{{ 'x' * 100000000 }}"),
+                             ["chat template", "cannot render", "bound"]),
     "template-not-utf8": (_write("chat_template.jinja", b"\xff\xfe{{ x }}"), ["chat template", "cannot be read"]),
     "template-too-big": (_write("chat_template.jinja", "x" * (2 << 20)), ["chat template", "over"]),
     "bos-not-a-token": (lambda c: _config(c, bos_token="<nope>", chat_template=TEMPLATE.replace("<s>", "{{ bos_token }}")),

@@ -190,8 +190,11 @@ def _check_chat_template(template, tokenizer, vocab_size: int) -> None:
         except ChatTemplateError:
             rendered = template.render(list(SAMPLE_CONVERSATION))
     except ChatTemplateError as exc:
+        # the runtime's message without its fix (it names the artifact's template, not the checkpoint's)
+        message = str(exc)
+        problem = message.rsplit("): ", 1)[0] + ")" if "): " in message else message
         raise GraphkilnError(f"the checkpoint's chat template cannot render a plain user/assistant conversation "
-                             f"({show(str(exc), 200)}): {TEMPLATE_FIX}") from None
+                             f"({show(problem, 200)}): {TEMPLATE_FIX}") from None
     if not rendered.strip():
         raise GraphkilnError(f"the checkpoint's chat template renders a conversation as empty text, so every chat "
                              f"prompt would be empty: {TEMPLATE_FIX}")
