@@ -179,7 +179,7 @@ def test_a_load_beyond_available_memory_is_refused_before_anything_is_built(case
     command, extra = ["run", art, "--prompt-ids", "1,2"], []
     if case == "weights":
         _claim_huge_weights(art)
-        needles = ["the weights", "re-export with --quant int4"]
+        needles = ["the sessions", "re-export with --quant int4"]
     elif case == "prefix budget":
         command, extra = ["serve", art, "--port", "0"], ["--prefix-cache-bytes", f"{HUGE >> 30}G"]
         needles = ["prefix cache budget", "--prefix-cache-bytes"]

@@ -161,7 +161,8 @@ class Engine:
         if not root.is_dir():
             raise GraphkilnError(f"{root} is not a directory: pass an artifact written by 'graphkiln export'")
         manifest, digest = Manifest.read_with_digest(root, expected_digest)
-        check_artifact(root, manifest, hash_files=False)  # paths only: hashing reads every byte
+        # paths and the data files graphs name now; the hashes, which read every byte, once the memory fits
+        check_artifact(root, manifest, hash_files=False)
         drafted = None
         if draft is not None:
             from graphkiln.runtime.draft_model import DraftModel
@@ -432,8 +433,8 @@ def check_load_memory(root: Path, manifest: Manifest, *, backend: str = "onnxrun
                       target: str | None = None, distributed=None, prefix_cache_bytes: int | None = None,
                       batched_int8: bool = False, slots: int | None = None, draft=None) -> None:
     """Refuse in one line (``memory.require_memory``) a load whose allocations would not fit in the
-    memory available now: the CPU sessions' weights (``ort_cpu.session_file_bytes`` x
-    ``ort_cpu.LOAD_FACTOR``), ``slots`` state-pool slots of the artifact's full length, an explicit
+    memory available now: the CPU sessions (``ort_cpu.session_file_bytes`` x ``ort_cpu.LOAD_FACTOR``
+    plus ``ort_cpu.SESSION_OVERHEAD_BYTES`` each), ``slots`` state-pool slots of the artifact's full length, an explicit
     prefix-cache budget, the batched-step graph's derived weights (``batched_int8.derived_bytes``)
     and a draft (``DraftModel.read``'s triple: its weights and its pools beside the slots). The
     message names each figure and the flag that lowers it, largest first. Called before any file
@@ -453,8 +454,9 @@ def check_load_memory(root: Path, manifest: Manifest, *, backend: str = "onnxrun
         specs.append(manifest.graph_for("vision", "onnxruntime"))
     weights = ort_cpu.session_file_bytes(root, specs)
     quantized = manifest.model.quant is not None
-    need = int(weights * ort_cpu.LOAD_FACTOR)
-    parts = [(need, f"the weights {_gib(need)} ({ort_cpu.LOAD_FACTOR} x {_gib(weights)} of graph files)",
+    need = int(weights * ort_cpu.LOAD_FACTOR) + len(specs) * ort_cpu.SESSION_OVERHEAD_BYTES
+    parts = [(need, f"the sessions {_gib(need)} ({ort_cpu.LOAD_FACTOR} x {_gib(weights)} of graph files, "
+                    f"{len(specs)} x {_gib(ort_cpu.SESSION_OVERHEAD_BYTES)})",
               "use a machine with more memory" if quantized else "re-export with --quant int4 (or --dtype fp16)")]
     capacity = min(s.max_seq_len for s in manifest.states)
     if _is_count(slots):
@@ -464,17 +466,18 @@ def check_load_memory(root: Path, manifest: Manifest, *, backend: str = "onnxrun
                       "re-export with a smaller --max-seq-len"))
     if _is_count(prefix_cache_bytes, 0):
         parts.append((prefix_cache_bytes, f"the prefix cache budget {_gib(prefix_cache_bytes)}", "pass a smaller --prefix-cache-bytes"))
-    if batched_int8:
+    if batched_int8:  # its own session over the same files' blocks, and the int8 weights derived for it
         batched = next((b for b in manifest.batched if (b.graph, b.target) == (specs[0].name, specs[0].target)), None)
         if batched is not None:
             from graphkiln.batched_int8 import derived_bytes
 
             derived = derived_bytes(batched)
+            derived += ort_cpu.SESSION_OVERHEAD_BYTES
             parts.append((derived, f"the --batched-int8 derived weights {_gib(derived)}", "drop --batched-int8"))
     if draft is not None:
         draft_root, draft_manifest, _ = draft
         draft_weights = ort_cpu.session_file_bytes(draft_root, [draft_manifest.graph_for("decoder", "onnxruntime")])
-        need = int(draft_weights * ort_cpu.LOAD_FACTOR)
+        need = int(draft_weights * ort_cpu.LOAD_FACTOR) + ort_cpu.SESSION_OVERHEAD_BYTES
         if _is_count(slots):
             dtype = ort_cpu.numpy_dtype(draft_manifest.states[0].dtype)
             need += StatePool(draft_manifest.states, dtype).bytes_for(
