@@ -9,7 +9,8 @@ user-named path and every JSON text parsed from one goes through here, so the ru
 - A read is bounded (``limit`` bytes) before it is made, not after.
 - JSON parsing maps what the standard library raises on hostile text (``RecursionError`` for deep
   nesting, ``ValueError`` for a 5,000-digit integer, bad UTF-8) to one ``GraphkilnError`` line.
-- ``show`` quotes an untrusted value for a message: control characters escaped, length clipped.
+- ``show`` quotes an untrusted value for a message: control characters escaped, length clipped;
+  ``show_json`` quotes it as the JSON document that held it wrote it.
 
 Everything raises ``GraphkilnError`` (one line: the problem, then the fix after a colon).
 """
@@ -36,6 +37,18 @@ def show(value: object, limit: int = 80) -> str:
     text = repr(value)
     text = text if len(text) <= limit else text[:limit] + "..."
     return text.encode("unicode_escape").decode("ascii")
+
+
+def show_json(value: object, limit: int = 60) -> str:
+    """``value`` as it appeared in a JSON document (a manifest, a preprocessor config), for a
+    one-line message: its JSON text with non-ASCII escaped, or its ``ascii()`` when JSON cannot
+    write it, so no control character or terminal escape gets through; clipped to ``limit``
+    characters, "..." included."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = ascii(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _kind(mode: int) -> str:

@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from graphkiln import imaging as I
+from graphkiln.imaging.spec import _adapter as spec_adapter
 from graphkiln.errors import GraphkilnError
 
 T = pytest.importorskip("transformers")
@@ -479,7 +480,7 @@ def test_accepted_oddities():
 def test_spec_validates_from_json():
     for d in CONFIGS.values():
         spec = I.preprocessing_from_config(d)
-        assert I._adapter(I.ImagePreprocessing).validate_json(json.dumps(asdict(spec))) == spec
+        assert spec_adapter(I.ImagePreprocessing).validate_json(json.dumps(asdict(spec))) == spec
     good = asdict(I.preprocessing_from_config(CONFIGS["llava15_clip336"]))
     qgood = asdict(I.preprocessing_from_config(CONFIGS["qwen2_vl_7b"]))
     bad = [
@@ -504,7 +505,7 @@ def test_spec_validates_from_json():
     ]
     for d, match in bad:
         with pytest.raises(Exception, match=match):
-            I._adapter(I.ImagePreprocessing).validate_json(json.dumps(d))
+            spec_adapter(I.ImagePreprocessing).validate_json(json.dumps(d))
         if "extra" in d:
             continue
         with pytest.raises(ValueError, match=match) as e:  # what export checks before writing a manifest
