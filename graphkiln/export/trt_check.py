@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.untrusted import show
 
 TRT_VERSION = "10.15"  # the TensorRT whose parser the vendored list describes
 SUPPORT_PACKAGE, SUPPORT_DIR = "graphkiln.export", "trt_support"  # package data: graphkiln/export/trt_support/
@@ -282,10 +283,10 @@ class _Checker:
         for attr, want in zip(_PLUGIN_ATTRS, (spec.plugin_namespace, spec.plugin_version)):
             got = value.get(attr)
             if got != want.encode():
-                self.error(op, name, f"{attr} is {_show(got)}, the plugin's is {want!r}: the parser would not find "
+                self.error(op, name, f"{attr} is {show(_text(got))}, the plugin's is {want!r}: the parser would not find "
                            "the plugin")
         if value.get("aot") != 1 or attrs["aot"].type != _ATTR_KINDS["int"]:
-            self.error(op, name, f"aot is {_show(value.get('aot'))}: set aot=1 (the plugin's ahead-of-time kernel, "
+            self.error(op, name, f"aot is {show(_text(value.get('aot')))}: set aot=1 (the plugin's ahead-of-time kernel, "
                        "so the engine runs without Python)")
         fields = {a.name: a for a in spec.attributes}
         for attr, a in attrs.items():
@@ -315,7 +316,7 @@ class _Checker:
     def attention(self, op: str, name: str, layout, inputs: Mapping[str, str], ranks: dict[str, int]) -> None:
         """rope_layout picks how the kernel reads cos/sin: tables [P, D/2] or per token [B, S, D/2]."""
         if layout not in (0, 1):
-            self.error(op, name, f"rope_layout is {_show(layout)}: the plugin takes 0 (cos/sin tables [P, D/2]) or "
+            self.error(op, name, f"rope_layout is {show(_text(layout))}: the plugin takes 0 (cos/sin tables [P, D/2]) or "
                        "1 (per-token cos/sin [B, S, D/2])")
             return
         for input_name, want, why in (("cos_cache", 2 + layout, f"with rope_layout {layout} "),
@@ -363,8 +364,9 @@ def _type_name(elem: int) -> str:
         return str(elem)
 
 
-def _show(value) -> str:
-    return repr(value.decode(errors="replace")) if isinstance(value, bytes) else repr(value)
+def _text(value):
+    """An ONNX attribute's value as a message shows it: a string attribute's bytes decoded."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def check_model(model, graph_name: str = "model", support: SupportList | None = None) -> TrtCheckReport:

@@ -20,9 +20,10 @@ from graphkiln.manifest.fields import STRICT, RelPath, Sha256, Text
 from graphkiln.manifest.paths import open_artifact_file
 from graphkiln.manifest.specs import (BatchedGraphSpec, CustomOpRef, EngineSpec, GenerationDefaults, GraphSpec,
                                       LoraSpec, ModelInfo, StageSpec, StateSpec, VisionSpec, state_update)
-from graphkiln.manifest.summary import one_line, show_json, summarise
+from graphkiln.manifest.summary import one_line, summarise
 from graphkiln.manifest.vocabulary import (BACKEND_TARGETS, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES,
                                            READABLE_VERSIONS)
+from graphkiln.untrusted import show_json
 
 
 @with_config(STRICT)

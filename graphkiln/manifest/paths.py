@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest.fields import plain_relative_path
-from graphkiln.manifest.summary import show_json
+from graphkiln.untrusted import show_json
 
 
 def artifact_file(root: Path, rel: str) -> Path:

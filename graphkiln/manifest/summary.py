@@ -3,23 +3,14 @@ problem, the exact field, how many more) and the values it quotes, short and on 
 
 from __future__ import annotations
 
-import json
 import re
 
 from pydantic import ValidationError
 
 from graphkiln.manifest.fields import FieldError
+from graphkiln.untrusted import show_json
 
 _SHOULD = re.compile(r"^(Input|String|Tuple|Dictionary|List|Object) should")
-
-
-def show_json(value: object, limit: int = 60) -> str:
-    """A JSON value as it appeared in the manifest, on one line and short."""
-    try:
-        text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def one_line(text: str) -> str:
