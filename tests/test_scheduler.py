@@ -261,8 +261,8 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
     """One submission's prefill, however long or however many prompts, scored or generating,
     must not hold back a short request that arrives while it runs: the short one (fresh, or
     starting from cached blocks) is admitted at the first step after it was submitted (steps
-    counted, not timed), and every request's tokens and prompt log-probabilities equal the
-    request run alone."""
+    counted, not timed), its first token is passed on before that step's chunk of a long prompt
+    runs, and every request's tokens and prompt log-probabilities equal the request run alone."""
     lengths, settings, grouped = IN_FLIGHT[hog]
     case = tiny("llama_gqa_bias")
     engine = Engine.load(case.artifact, prefix_block_size=4, threads=1)
@@ -275,7 +275,7 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
     short_alone = engine_alone(ref, short, 4)
 
     sched = Scheduler(engine, max_batch=4, step_tokens=24)  # the short prompt fits half of it
-    steps, arrived, box = [], [], {}
+    steps, arrived, box, runs = [], [], {}, []
     plan, run = sched._batch.plan, engine.decoder.run
 
     def counting_plan(waiting):  # under the scheduler's lock
@@ -284,6 +284,9 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
         return p
 
     def arriving_run(*args, **kwargs):  # the stepping thread, outside the lock: a submit may come in
+        mine = any(list(row[:len(short)]) == short or (cached and list(row[:len(tail)]) == tail)
+                   for row in args[1])  # the short request's prefill (from its cached blocks: the tail)
+        runs.append((len(steps) - 1, mine, bool(box) and _has_event(box["short"])))  # its step, short's token out yet
         out = run(*args, **kwargs)
         if hog_handles and not box and len(steps) >= 2:
             box["short"] = sched.submit(short, _greedy(4))
@@ -306,6 +309,9 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
 
     admitted = next(i for i, ids in enumerate(steps) if box["short"].id in ids)
     assert admitted == arrived[0], (hog, steps)  # steps[arrived[0]] is the first plan after the submit
+    # the step's runs after the short request's own (another prompt's chunk) start after its token was passed on
+    later = [out for step, _, out in runs[next(i for i, r in enumerate(runs) if r[1]) + 1:] if step == admitted]
+    assert all(later) and (later or len(lengths) > 1), runs
     hog_ids = {h.id for h in hog_handles}
     assert any(hog_ids & set(ids) for ids in steps[admitted + 1:])  # it arrived while the hog was prefilling
     assert got.token_ids == short_alone
@@ -318,6 +324,14 @@ def test_a_short_request_starts_at_the_next_step_whatever_is_in_flight(tiny, hog
             np.testing.assert_allclose([lp.logprob for lp in r.prompt_logprobs[1:]],
                                        [lp.logprob for lp in a.prompt_logprobs[1:]], atol=1e-4)
     assert engine.pool.live == 0
+
+
+def _has_event(handle) -> bool:
+    try:
+        next(handle.events(timeout=0))
+        return True
+    except TimeoutError:
+        return False
 
 
 def test_a_draft_models_catch_up_is_spread_over_steps(tiny):

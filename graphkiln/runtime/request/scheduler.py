@@ -300,7 +300,7 @@ class Scheduler:
         Validation happens here, synchronously (GraphkilnError, one line); nothing here waits
         for the model. Raises QueueFull when ``max_queue`` requests wait, ShuttingDown once
         ``shutdown`` began. ``group``: a key (hashable) shared by the prompts of one submission,
-        which then take turns with other submissions as one (module docstring); None: a
+        which are then served as one submission beside others (``FairQueue``); None: a
         submission of its own."""
         with self._lock:
             self._check_open()
@@ -395,7 +395,7 @@ class Scheduler:
                 try:
                     if plan.starting:
                         self._encode_new(plan)
-                    stepped = b.execute(plan)
+                    stepped = b.execute(plan, self._hand_over_running)
                 except Exception as exc:  # the runner failed: this step's requests fail, others are not in it
                     err = exc if isinstance(exc, GraphkilnError) else GraphkilnError(
                         f"the decoder failed ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
@@ -441,6 +441,14 @@ class Scheduler:
             with self._lock:
                 self._batch.drop(plan, failed)
             for r in failed:
+                self._hand_over(r)
+
+    def _hand_over_running(self, reqs: list[RequestState]) -> None:
+        """After one run of a step: the new events of its requests that go on; those that ended
+        are handed over once the step has released their slots (a caller seeing a request end
+        may count on its slot being free)."""
+        for r in reqs:
+            if r.finish_reason is None:
                 self._hand_over(r)
 
     def _hand_over(self, r: RequestState) -> None:

@@ -281,10 +281,14 @@ class StepBatch:
 
     # -- pack, run, sample, commit ------------------------------------------------------------
 
-    def execute(self, plan: Plan) -> list[RequestState]:
-        """Run the plan's decode rows, then its prefill rows; each request that chose a token
-        has its event in ``events`` (or its ``error``). Returns the requests that did, in slot
-        order. An exception from the runner itself propagates (the driver decides its fate).
+    def execute(self, plan: Plan, on_run=None) -> list[RequestState]:
+        """Run the plan's decode rows, then its new whole prompts, then its chunks (the request
+        mid-prefill last); each request that chose a token has its event in ``events`` (or its
+        ``error``). Returns the requests that did, in run order; ``on_run`` (optional) is called
+        with each run's such requests as soon as that run is done, so a driver can pass tokens
+        on before the step's later runs (a decoding stream or a new request's first token need
+        not wait for another prompt's chunk). An exception from the runner itself propagates
+        (the driver decides its fate).
 
         A runner that can hold several runs in flight (``submit``: pipeline stages on Ray) gets
         both runs before either is awaited, so one range is in a later stage while the other is
@@ -303,7 +307,10 @@ class StepBatch:
             outs = (decoder.run(self.pool, *args, **kwargs) for args, kwargs, _ in runs)
         stepped: list[RequestState] = []
         for (_, _, finish), out in zip(runs, outs):
-            stepped += finish(out)
+            done = finish(out)
+            stepped += done
+            if on_run is not None and done:
+                on_run(done)
         # at most one request is left mid-prefill (plan): the one whose prompt is not all in its slot
         self.partial = next((r for r in self.rows if r.finish_reason is None and r.done < len(r.prompt_ids)), None)
         return stepped
