@@ -184,7 +184,9 @@ def serve(cfg: ServeConfig) -> int:
                              distributed=cfg.distributed, prefix_cache=cfg.prefix_cache,
                              prefix_cache_bytes=cfg.prefix_cache_bytes, batched_int8=cfg.batched_int8,
                              draft=cfg.draft, draft_cost=cfg.draft_cost,
-                             slots=cfg.max_batch or 1)  # the scheduler's pool, counted before the load
+                             # the scheduler's pool, counted before the load: never more slots than a
+                             # step has tokens for (a --max-batch beyond that is the Scheduler's refusal)
+                             slots=min(cfg.max_batch or 1, max(1, cfg.step_tokens - 1)))
         adapters = load_adapters(engine, cfg.lora, name)
         scheduler = Scheduler(engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, step_tokens=cfg.step_tokens)
     except BaseException:
