@@ -17,63 +17,20 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from graphkiln.ops.attention import SPEC, reference
 from graphkiln.plugins_trt.kernels import aot
 from graphkiln.plugins_trt.kernels.attention import DECODE, KERNELS, PREFILL, launch_plan, run_attention
+from triton_kernel_checks import Sym, aot_build_fixtures, sym_cdiv
+from triton_kernel_checks import interpreter_fixes_with_bf16_dot  # noqa: F401  (autouse: the interpreter fixes, here)
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = tuple(TOL)
 POISON = 1000.0  # cache rows at positions >= a row's start: never visible
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_fixes():
-    """Three Triton 3.2 interpreter bugs that are not the kernel's, fixed for this module only
-    so the interpreter computes what the compiled kernel does:
-    * with the NumPy installed (2.4), ``range()`` over a runtime bound fails (the interpreter's scalars are
-      1-element arrays, and ``int()`` of those is now an error);
-    * ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns: bf16 operands are converted
-      exactly to fp32, what the GPU's bf16 MMA multiplies (accumulating in fp32);
-    * fp32 -> bf16 casts truncate, where compiled Triton (and torch) round to nearest even."""
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    orig_patch, orig_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
-    orig_cast = interp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
-            return interp.TensorHandle(bits.view(np.uint16), tl.bfloat16)
-        return orig_cast(self, src, dst_type)
-
-    def patch_lang_tensor(tensor):
-        orig_patch(tensor)
-        tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def f32(h):
-            if h.dtype == tl.bfloat16:
-                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-            return h
-        return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
-        mp.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
-        mp.setattr(interp.InterpreterBuilder, "cast_impl", cast_impl)
-        yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,42 +269,14 @@ def test_poisoned_cache_would_be_seen():
 # launch plans
 
 
-class Sym:
-    """A stand-in for TensorRT's symbolic dims: supports only what launch_plan may use."""
-
-    def __init__(self, expr: str):
-        self.expr = expr
-
-    def _op(self, other, op):
-        return Sym(f"({self.expr} {op} {other.expr if isinstance(other, Sym) else other})")
-
-    def __add__(self, other):
-        return self._op(other, "+")
-
-    def __sub__(self, other):
-        return self._op(other, "-")
-
-    def __mul__(self, other):
-        return self._op(other, "*")
-
-    __radd__, __rmul__ = __add__, __mul__
-
-    def __floordiv__(self, other):
-        raise AssertionError("launch_plan must use cdiv, not //")
-
-
-def _sym_cdiv(a, b):
-    return Sym(f"cdiv({a.expr if isinstance(a, Sym) else a}, {b})")
-
-
 @pytest.mark.parametrize("kernel,block_m", [(DECODE, 1), (PREFILL, 32)])
 def test_launch_plan_with_symbolic_shapes(kernel, block_m):
     b, s, c, p = Sym("B"), Sym("S"), Sym("C"), Sym("P")
-    plan = launch_plan(8, 4, 0, 0.125, (b, s, 8 * 64), (b, 4, c, 64), (p, 32), _sym_cdiv, dtype="float16",
+    plan = launch_plan(8, 4, 0, 0.125, (b, s, 8 * 64), (b, 4, c, 64), (p, 32), sym_cdiv, dtype="float16",
                        kernel=kernel)
     assert plan.kernel is kernel
-    assert plan.grid[0].expr == f"cdiv(S, {block_m})" and plan.grid[1] == 4 and plan.grid[2] is b
-    assert [x.expr for x in plan.scalars] == ["S", "C", "P"]
+    assert repr(plan.grid[0]) == f"cdiv(S, {block_m})" and plan.grid[1] == 4 and plan.grid[2] is b
+    assert [repr(x) for x in plan.scalars] == ["S", "C", "P"]
     assert plan.constexprs["BLOCK_M"] == block_m and plan.constexprs["ROWS"] >= 16
 
 
@@ -411,25 +340,7 @@ for spec in KERNELS:
             compile_one(spec, 32, 8, large_d, 0, dtype, 90)
 print(json.dumps(rows))
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def aot_job():
-    """The compile subprocess, started with the module so it runs beside the interpreter tests."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen([sys.executable, "-c", _AOT_SCRIPT, json.dumps([AOT_CASES, AOT_DTYPES, LARGE_D])],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
-
-
-@pytest.fixture(scope="module")
-def compiled(aot_job) -> list[dict]:
-    out, err = aot_job.communicate(timeout=600)
-    assert aot_job.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+_aot_compile_started, aot_builds = aot_build_fixtures(_AOT_SCRIPT, (json.dumps([AOT_CASES, AOT_DTYPES, LARGE_D]),))
 
 
 def test_kernel_specs_match_the_op():
@@ -445,25 +356,25 @@ def test_kernel_specs_match_the_op():
 @pytest.mark.parametrize("arch", aot.ARCHS)
 @pytest.mark.parametrize("dtype", AOT_DTYPES)
 @pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
-def test_compiles_with_tensorrt_abi(compiled, kernel, dtype, arch):
+def test_compiles_with_tensorrt_abi(aot_builds, kernel, dtype, arch):
     key = (kernel, dtype, arch, AOT_CASES[kernel][2], False)
-    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["arch"], r["d"], r["variant"]) == key]
+    (row,) = [r for r in aot_builds if (r["kernel"], r["dtype"], r["arch"], r["d"], r["variant"]) == key]
     assert row["params"] == row["expected"] == [".u64"] * 10 + [".u32"] * 3 + [".u64"] * 3
     assert row["target"] and row["threads"] == 128 and row["shared"] <= 48 * 1024
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("kernel", [PREFILL.name])
-def test_real_head_dim_fits_default_shared_memory(compiled, kernel, dtype):
-    (row,) = [r for r in compiled if (r["kernel"], r["dtype"], r["d"]) == (kernel, dtype, LARGE_D)]
+def test_real_head_dim_fits_default_shared_memory(aot_builds, kernel, dtype):
+    (row,) = [r for r in aot_builds if (r["kernel"], r["dtype"], r["d"]) == (kernel, dtype, LARGE_D)]
     assert row["params"] == row["expected"]
     assert row["shared"] <= 48 * 1024, f"{kernel} {dtype} D={LARGE_D} needs {row['shared']} bytes of shared memory"
 
 
 @pytest.mark.parametrize("kernel", [k.name for k in KERNELS])
-def test_lookahead_input_and_per_token_rotary_compile_with_tensorrt_abi(compiled, kernel):
+def test_lookahead_input_and_per_token_rotary_compile_with_tensorrt_abi(aot_builds, kernel):
     """The constexpr branches the interpreter tests run (indexed lookahead, rope_layout 1,
     sinks) compile too, with the same launch ABI."""
-    (row,) = [r for r in compiled if r["kernel"] == kernel and r["variant"]]
+    (row,) = [r for r in aot_builds if r["kernel"] == kernel and r["variant"]]
     assert row["params"] == row["expected"] == [".u64"] * 10 + [".u32"] * 3 + [".u64"] * 3
     assert row["target"] and row["shared"] <= 48 * 1024

@@ -9,12 +9,6 @@ kernel that reduces fails.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,10 +17,8 @@ from graphkiln.ops import short_conv as conv_op
 from graphkiln.plugins_trt.kernels import aot
 from graphkiln.plugins_trt.kernels import moe as moe_k
 from graphkiln.plugins_trt.kernels import short_conv as conv_k
+from triton_kernel_checks import DTYPES, Sym, aot_build_fixtures, close, sym_cdiv
 
-REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}  # max |err| relative to max |reference|
 
 # Routing styles: (scoring, normalize, norm_eps, routed_scaling, expert bias)
 STYLES = {
@@ -68,13 +60,6 @@ MOE_ACT_CASES = [
 ]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    err = (got.double() - want.double()).abs().max().item()
-    scale = want.double().abs().max().item()
-    assert err <= TOL[dtype] * scale, f"max |err| {err:.3g} vs max |ref| {scale:.3g} ({dtype})"
-
-
 def _moe_inputs(seed: int, t: int, e: int, h: int, i: int, style: str, dtype: torch.dtype, activation: int = 0,
                 expert_biases: bool = False):
     """hidden, logits, gate_up, down, expert_bias, gate_up_bias, down_bias (zeros unless
@@ -98,7 +83,7 @@ def test_moe_matches_reference(style, t, e, h, i, top_k, tactic, dtype):
     args = _moe_inputs(t * 100 + e * 10 + top_k, t, e, h, i, style, DTYPES[dtype])
     attrs = (top_k, scoring, normalize, eps, scaling)
     got = moe_k.run_moe(*args, *attrs, tactic=tactic)
-    _close(got, moe_op.reference(*args, *attrs), dtype)
+    close(got, moe_op.reference(*args, *attrs), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,7 +97,7 @@ def test_moe_activations_and_expert_biases_match_reference(style, t, e, h, i, to
         assert (y[..., :i] > limit).any() and (y[..., i:].abs() > limit).any()
     attrs = (top_k, scoring, normalize, eps, scaling, activation, 1.702, limit)
     got = moe_k.run_moe(*args, *attrs, tactic=tactic)
-    _close(got, moe_op.reference(*args, *attrs), dtype)
+    close(got, moe_op.reference(*args, *attrs), dtype)
 
 
 def test_moe_expert_bias_changes_selection_not_weights():
@@ -126,7 +111,7 @@ def test_moe_expert_bias_changes_selection_not_weights():
     strong = bias * 10  # large enough to override the scores
     got = moe_k.run_moe(hidden, logits, gate_up, down, strong, gub, dnb, 2, scoring, normalize, eps, scaling)
     want = moe_op.reference(hidden, logits, gate_up, down, strong, gub, dnb, 2, scoring, normalize, eps, scaling)
-    _close(got, want, "float32")
+    close(got, want, "float32")
 
 
 @pytest.mark.parametrize("poisoned", ["gate_up", "down", "gate_up_bias", "down_bias"])
@@ -142,7 +127,7 @@ def test_moe_never_reads_an_unrouted_expert(t, tactic, poisoned):
     {"gate_up": gate_up, "down": down, "gate_up_bias": gub, "down_bias": dnb}[poisoned][3] = float("nan")
     got = moe_k.run_moe(*args, top_k, scoring, normalize, eps, scaling, tactic=tactic)
     assert torch.isfinite(got).all()
-    _close(got, moe_op.reference(*args, top_k, scoring, normalize, eps, scaling), "float32")
+    close(got, moe_op.reference(*args, top_k, scoring, normalize, eps, scaling), "float32")
 
 
 # (B, S, C, K, seq_lens, slot_idx, tactic): decode S = 1 (len 1 < K-1 shifts old state columns;
@@ -180,10 +165,10 @@ def test_short_conv_updates_pool_in_place(b, s, c, k, lens, slots, tactic, dtype
     live = pool.clone()
     y, new_state = conv_k.run_short_conv(x, weight, bias, live, slot_idx, seq_lens, c, tactic=tactic)
     assert new_state.data_ptr() == live.data_ptr()  # in place, as under TensorRT's aliasing
-    _close(y, y_ref, dtype)
+    close(y, y_ref, dtype)
     untouched = [r for r in range(POOL_SLOTS) if r not in slots]
     assert torch.equal(live[untouched], pool[untouched])
-    _close(live[slot_idx], want[slot_idx], dtype)
+    close(live[slot_idx], want[slot_idx], dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -194,56 +179,21 @@ def test_short_conv_state_rows_mode(dtype):
     y, rows = conv_k.run_short_conv(x, weight, bias, pool, slot_idx, seq_lens, c, state_update=0)
     y_ref, rows_ref = conv_op.reference(x, weight, bias, before, slot_idx, seq_lens, c)
     assert torch.equal(pool, before) and rows.shape == (b, c, k - 1)
-    _close(y, y_ref, dtype)
-    _close(rows, rows_ref, dtype)
-
-
-class Sym:
-    """A stand-in for TensorRT's SymInt32: + - * and cdiv only (what LaunchPlan allows)."""
-
-    def __init__(self, text: str, const: int | None = None):
-        self.text, self.is_constant, self.constant_value = text, const is not None, const
-
-    def _op(self, o, sym, rev=False):
-        a, c = self.text, o.text if isinstance(o, Sym) else str(o)
-        return Sym(f"({c} {sym} {a})" if rev else f"({a} {sym} {c})")
-
-    __add__ = lambda s, o: s._op(o, "+")
-    __radd__ = lambda s, o: s._op(o, "+", True)
-    __sub__ = lambda s, o: s._op(o, "-")
-    __rsub__ = lambda s, o: s._op(o, "-", True)
-    __mul__ = lambda s, o: s._op(o, "*")
-    __rmul__ = lambda s, o: s._op(o, "*", True)
-
-    def __floordiv__(self, o):
-        raise TypeError("// on a symbolic dim: use cdiv")
-
-    __rfloordiv__ = __truediv__ = __mod__ = __floordiv__
-
-    def __index__(self):
-        raise TypeError("a symbolic dim has no value")
-
-    __int__ = __bool__ = __index__
-
-    def __repr__(self):
-        return self.text
-
-
-def _sym_cdiv(a, b):
-    return Sym(f"cdiv({a}, {b})")
+    close(y, y_ref, dtype)
+    close(rows, rows_ref, dtype)
 
 
 def test_launch_plans_take_symbolic_token_dims():
     t = Sym("T")
     plan = moe_k.launch_plan((t, Sym("H", 64)), (t, Sym("E", 8)), (Sym("E", 8), Sym("2I", 96), Sym("H", 64)),
                              (Sym("E", 8), Sym("H", 64), Sym("I", 48)), top_k=2, scoring=1, normalize=1,
-                             norm_eps=1e-6, routed_scaling=2.5, cdiv=_sym_cdiv)
+                             norm_eps=1e-6, routed_scaling=2.5, cdiv=sym_cdiv)
     bt, bh = plan.constexprs["BLOCK_T"], plan.constexprs["BLOCK_H"]
     assert repr(plan.grid[0]) == f"cdiv(T, {bt})" and plan.grid[1:] == (aot.ceil_div(64, bh), 1)
     assert plan.scalars == (t,) and (plan.constexprs["E"], plan.constexprs["H"], plan.constexprs["I"]) == (8, 64, 48)
     b, s = Sym("B"), Sym("S")
     plan = conv_k.launch_plan((b, s, Sym("C", 40)), (Sym("C", 40), Sym("K", 4)), (Sym("N"), Sym("C", 40), Sym("K1", 3)),
-                              channels=40, cdiv=_sym_cdiv)
+                              channels=40, cdiv=sym_cdiv)
     assert plan.grid[0] is b and repr(plan.grid[2]) == f"cdiv(S, {plan.constexprs['BLOCK_S']})"
     assert plan.scalars == (s,) and plan.constexprs["K"] == 4 and plan.constexprs["BLOCK_S"] >= 3
 
@@ -305,30 +255,7 @@ for name, dtype, arch in builds:
                     target=f".target sm_{arch}" in ck.ptx))
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _aot_compile_started(request):
-    """Starts the (subprocess) AOT build when the module's first test runs, so it overlaps the
-    interpreter tests instead of adding to them; only if a selected test needs it."""
-    if not any("aot_builds" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        yield None
-        return
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.Popen([sys.executable, "-c", _AOT_SCRIPT], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
-
-
-@pytest.fixture(scope="module")
-def aot_builds(_aot_compile_started):
-    proc = _aot_compile_started
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
-    return json.loads(stdout.strip().splitlines()[-1])
+_aot_compile_started, aot_builds = aot_build_fixtures(_AOT_SCRIPT)
 
 
 def test_kernels_compile_ahead_of_time_with_the_tensorrt_abi(aot_builds):

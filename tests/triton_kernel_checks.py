@@ -1,13 +1,16 @@
-"""What the recurrent-state kernel tests (test_trt_kernels_gated_delta.py, test_trt_kernels_ssm_scan.py)
-share: the Triton interpreter fixes, the tolerance check against a reference, a stand-in for
-TensorRT's symbolic dims, and the ahead-of-time build in a subprocess.
+"""What the Triton kernel tests (test_trt_kernels_attention.py, test_trt_kernels_moe_conv.py,
+test_trt_kernels_gated_delta.py, test_trt_kernels_ssm_scan.py) share: the Triton interpreter
+fixes, the tolerance check against a reference, a stand-in for TensorRT's symbolic dims, and the
+ahead-of-time build in a subprocess.
 
-A test module imports ``interpreter_fixes`` (an autouse module fixture: importing it is what
-turns it on there) and builds its AOT fixtures with ``aot_build_fixtures``.
+A test module imports ``interpreter_fixes`` (or ``interpreter_fixes_with_bf16_dot``, for kernels
+that multiply bf16 with ``tl.dot``): an autouse module fixture, so importing it is what turns it
+on there. It builds its AOT fixtures with ``aot_build_fixtures``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,17 +26,20 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}  # max |err| relative to max |reference|
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_fixes():
-    """Two Triton 3.2 interpreter bugs that are not the kernels', fixed for the importing module
-    only (as tests/test_trt_kernels_attention.py does): with NumPy 2, ``range()`` over a runtime
-    bound (the per-token loop to seq_lens[b]) fails, since the interpreter's scalars are
-    1-element arrays; fp32 -> bf16 casts truncate, where compiled Triton (and torch) round to
-    nearest even."""
+@contextlib.contextmanager
+def _interpreter_patches(bf16_dot: bool):
+    """Triton 3.2 interpreter bugs that are not the kernels', fixed while the context is open, so
+    the interpreter computes what the compiled kernel does:
+    * with NumPy 2, ``range()`` over a runtime bound (a per-token loop to seq_lens[b]) fails, since
+      the interpreter's scalars are 1-element arrays (and ``int()`` of those is an error);
+    * fp32 -> bf16 casts truncate, where compiled Triton (and torch) round to nearest even;
+    * with ``bf16_dot``: ``tl.dot`` on bf16 multiplies the raw uint16 bit patterns; the operands
+      are converted exactly to fp32, what the GPU's bf16 MMA multiplies (accumulating in fp32)."""
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
-    orig_patch, orig_cast = interp._patch_lang_tensor, interp.InterpreterBuilder.cast_impl
+    orig_patch, orig_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
+    orig_cast = interp.InterpreterBuilder.cast_impl
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -45,9 +51,32 @@ def interpreter_fixes():
         orig_patch(tensor)
         tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
 
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(h):
+            if h.dtype == tl.bfloat16:
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+        return orig_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
         mp.setattr(interp.InterpreterBuilder, "cast_impl", cast_impl)
+        if bf16_dot:
+            mp.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_fixes():
+    """The interpreter fixes (``_interpreter_patches``) for the importing module only."""
+    with _interpreter_patches(bf16_dot=False):
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_fixes_with_bf16_dot():
+    """The interpreter fixes and the bf16 ``tl.dot`` one, for the importing module only."""
+    with _interpreter_patches(bf16_dot=True):
         yield
 
 
@@ -95,8 +124,9 @@ def sym_cdiv(a, b):
     return Sym(f"cdiv({a}, {b})")
 
 
-def aot_build_fixtures(script: str):
-    """(started, builds) module fixtures for an AOT build ``script`` that prints one JSON line.
+def aot_build_fixtures(script: str, argv: tuple[str, ...] = ()):
+    """(started, builds) module fixtures for an AOT build ``script`` (run with ``argv``) that
+    prints one JSON line.
     ``started`` (autouse) launches it in a subprocess with the interpreter off when the module's
     first test runs, so it overlaps the interpreter tests, and only if a selected test uses
     ``builds``; ``builds`` waits for it and returns the parsed line. Assign them in the test
@@ -108,7 +138,7 @@ def aot_build_fixtures(script: str):
             yield None
             return
         env = dict(os.environ, TRITON_INTERPRET="0")
-        proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         yield proc
         if proc.poll() is None:

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from graphkiln.ops.gated_delta import L2NORM_EPS
-from graphkiln.plugins_trt.kernels import aot
+from graphkiln.plugins_trt.kernels import aot, recurrent
 from graphkiln.plugins_trt.kernels.moe import static_dim
 
 
@@ -117,38 +117,22 @@ GATED_DELTA = aot.KernelSpec(
 
 KERNELS: tuple[aot.KernelSpec, ...] = (GATED_DELTA,)
 
-# Value columns per program at most: the [DK, BLOCK_V] fp32 state lives in registers (DK = 128,
-# BLOCK_V = 32: 32 fp32 per thread at 4 warps).
-MAX_BLOCK_V = 32
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+_DIMS = recurrent.StateDims(heads="HV", groups="HK", rows="DK", cols="DV", block_rows="BLOCK_K", block_cols="BLOCK_V",
+                            heads_what="value heads", groups_what="q/k heads")
 
 
 def launch_plan(q_shape, v_shape, state_pool_shape, *, scale: float, state_update: int = 1, qk_l2norm: int = 1,
                 cdiv: Callable = aot.ceil_div) -> aot.LaunchPlan:
-    """The one launch of ``gated_delta_kernel``. B and S (q_shape[0:2]) may be symbolic (S is
-    the kernel's int32 scalar, B a grid dim); the head counts and head dims compile in."""
-    b, s = q_shape[0], q_shape[1]
+    """The one launch of ``gated_delta_kernel`` (``recurrent.state_launch_plan``): the value heads
+    over the q/k heads, the state [DK, DV]."""
     hk = static_dim(q_shape[2], "the q/k head count")
     dk = static_dim(q_shape[3], "the key head dim")
     hv = static_dim(v_shape[2], "the value head count")
     dv = static_dim(v_shape[3], "the value head dim")
-    if hv % hk:
-        raise ValueError(f"the value heads ({hv}) must be a multiple of the q/k heads ({hk})")
-    for dim, want, what in ((state_pool_shape[1], hv, "state heads"), (state_pool_shape[2], dk, "state rows"),
-                            (state_pool_shape[3], dv, "state columns")):
-        if isinstance(dim, int) and dim != want:
-            raise ValueError(f"{what} is {dim}, expected {want}")
-    if state_update not in (0, 1) or isinstance(state_update, bool):
-        raise ValueError(f"state_update must be 0 or 1, got {state_update!r}")
-    if qk_l2norm not in (0, 1) or isinstance(qk_l2norm, bool):
-        raise ValueError(f"qk_l2norm must be 0 or 1, got {qk_l2norm!r}")
-    bv = min(_pow2(dv), MAX_BLOCK_V)
-    constexprs = {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "SCALE": float(scale), "QK_L2NORM": int(qk_l2norm),
-                  "EPS": L2NORM_EPS, "STATE_UPDATE": int(state_update), "BLOCK_K": _pow2(dk), "BLOCK_V": bv}
-    return aot.LaunchPlan(GATED_DELTA, constexprs, (b, hv, aot.ceil_div(dv, bv)), (s,), num_warps=4)
+    recurrent.check_flag("qk_l2norm", qk_l2norm)
+    return recurrent.state_launch_plan(GATED_DELTA, _DIMS, q_shape[0], q_shape[1], hv, hk, dk, dv, state_pool_shape,
+                                       state_update, {"SCALE": float(scale), "QK_L2NORM": int(qk_l2norm),
+                                                      "EPS": L2NORM_EPS})
 
 
 def run_gated_delta(q, k, v, g, beta, state_pool, slot_idx, seq_lens, scale: float, state_update: int = 1,
@@ -163,12 +147,8 @@ def run_gated_delta(q, k, v, g, beta, state_pool, slot_idx, seq_lens, scale: flo
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.to(torch.float32).contiguous()
     beta = beta.to(torch.float32).contiguous()
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool must be contiguous: the kernel updates it in place")
-    slot_idx = slot_idx.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    if new_state is None:
-        new_state = state_pool if state_update == 1 else state_pool.new_empty((v.shape[0],) + tuple(state_pool.shape[1:]))
+    slot_idx, seq_lens, new_state = recurrent.state_launch_args(state_pool, slot_idx, seq_lens, state_update,
+                                                                v.shape[0], new_state)
     y = torch.empty_like(v)
     plan = launch_plan(tuple(q.shape), tuple(v.shape), tuple(state_pool.shape), scale=scale,
                        state_update=state_update, qk_l2norm=qk_l2norm)

@@ -17,7 +17,7 @@ so the other slots keep their contents because nobody touches them (a launcher w
 alias must pass the pool itself as ``new_state``). ``state_update=0``: ``new_state`` is
 [B, H, N, P] and row b gets row b's new state.
 
-Grid and ownership (as kernels.gated_delta)
+Grid and ownership (as kernels.gated_delta; the plan is kernels.recurrent's)
     grid = (B, H, cdiv(P, BLOCK_P)). The state's head-dim columns are independent of each other
     (the decay is per head, the input term is Bm (dt x)^T, the readout s^T Cm acts column by
     column), so program (b, h, j) owns columns [j*BLOCK_P, (j+1)*BLOCK_P) of slot slot_idx[b],
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from graphkiln.ops.ssm_scan import FLOAT32_MAX
-from graphkiln.plugins_trt.kernels import aot
+from graphkiln.plugins_trt.kernels import aot, recurrent
 from graphkiln.plugins_trt.kernels.moe import static_dim
 
 # softplus(x) = x above this, as torch's (threshold 20: exp(-20) is below fp32's resolution of x)
@@ -132,36 +132,20 @@ SSM_SCAN = aot.KernelSpec(
 
 KERNELS: tuple[aot.KernelSpec, ...] = (SSM_SCAN,)
 
-# Head-dim columns per program at most: the [N, BLOCK_P] fp32 state lives in registers (N = 128,
-# BLOCK_P = 32: 32 fp32 per thread at 4 warps), as kernels.gated_delta's MAX_BLOCK_V.
-MAX_BLOCK_P = 32
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+_DIMS = recurrent.StateDims(heads="H", groups="G", rows="N", cols="P", block_rows="BLOCK_N", block_cols="BLOCK_P",
+                            heads_what="heads", groups_what="groups")
 
 
 def launch_plan(x_shape, Bm_shape, state_pool_shape, *, state_update: int = 1, dt_min: float = 0.0,
                 dt_max: float = FLOAT32_MAX, cdiv: Callable = aot.ceil_div) -> aot.LaunchPlan:
-    """The one launch of ``ssm_scan_kernel``. B and S (x_shape[0:2]) may be symbolic (S is the
-    kernel's int32 scalar, B a grid dim); heads, head dim, groups and state size compile in."""
-    b, s = x_shape[0], x_shape[1]
+    """The one launch of ``ssm_scan_kernel`` (``recurrent.state_launch_plan``): the heads over the
+    B/C groups, the state [N, P]."""
     h = static_dim(x_shape[2], "the head count")
     p = static_dim(x_shape[3], "the head dim")
     g = static_dim(Bm_shape[2], "the group count")
     n = static_dim(Bm_shape[3], "the state size")
-    if h % g:
-        raise ValueError(f"the heads ({h}) must be a multiple of the groups ({g})")
-    for dim, want, what in ((state_pool_shape[1], h, "state heads"), (state_pool_shape[2], n, "state rows"),
-                            (state_pool_shape[3], p, "state columns")):
-        if isinstance(dim, int) and dim != want:
-            raise ValueError(f"{what} is {dim}, expected {want}")
-    if state_update not in (0, 1) or isinstance(state_update, bool):
-        raise ValueError(f"state_update must be 0 or 1, got {state_update!r}")
-    bp = min(_pow2(p), MAX_BLOCK_P)
-    constexprs = {"H": h, "P": p, "G": g, "N": n, "DT_MIN": float(dt_min), "DT_MAX": float(dt_max),
-                  "STATE_UPDATE": int(state_update), "BLOCK_N": _pow2(n), "BLOCK_P": bp}
-    return aot.LaunchPlan(SSM_SCAN, constexprs, (b, h, aot.ceil_div(p, bp)), (s,), num_warps=4)
+    return recurrent.state_launch_plan(SSM_SCAN, _DIMS, x_shape[0], x_shape[1], h, g, n, p, state_pool_shape,
+                                       state_update, {"DT_MIN": float(dt_min), "DT_MAX": float(dt_max)})
 
 
 def run_ssm_scan(x, dt, A, Bm, Cm, D, dt_bias, state_pool, slot_idx, seq_lens, state_update: int = 1,
@@ -175,12 +159,8 @@ def run_ssm_scan(x, dt, A, Bm, Cm, D, dt_bias, state_pool, slot_idx, seq_lens, s
 
     x, dt, Bm, Cm = x.contiguous(), dt.contiguous(), Bm.contiguous(), Cm.contiguous()
     A, D, dt_bias = (t.to(torch.float32).contiguous() for t in (A, D, dt_bias))
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool must be contiguous: the kernel updates it in place")
-    slot_idx = slot_idx.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    if new_state is None:
-        new_state = state_pool if state_update == 1 else state_pool.new_empty((x.shape[0], *state_pool.shape[1:]))
+    slot_idx, seq_lens, new_state = recurrent.state_launch_args(state_pool, slot_idx, seq_lens, state_update,
+                                                                x.shape[0], new_state)
     y = torch.empty_like(x)
     plan = launch_plan(tuple(x.shape), tuple(Bm.shape), tuple(state_pool.shape), state_update=state_update,
                        dt_min=dt_min, dt_max=dt_max)
