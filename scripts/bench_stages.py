@@ -55,7 +55,7 @@ def build(path: Path, model: str) -> None:
 def _peak_rss() -> int:
     """Peak RSS from /proc (VmHWM): ru_maxrss is carried across exec, so these workers, started
     by the exporting parent, would report its peak."""
-    from graphkiln.runtime.backends.distributed import _peak_rss as vm_hwm
+    from graphkiln.runtime.backends.distributed import peak_rss as vm_hwm
 
     return vm_hwm()
 
