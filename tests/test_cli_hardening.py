@@ -202,7 +202,7 @@ def test_verify_against_a_reference_of_another_vocabulary_is_one_line(llama_case
 # -- a runtime-only install ----------------------------------------------------------------------------
 
 def test_every_module_mapped_to_an_extra_names_a_real_extra():
-    from graphkiln.cli import _EXTRA_OF
+    from graphkiln.cli.entry import _EXTRA_OF
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(_EXTRA_OF.values()) <= set(extras), set(_EXTRA_OF.values()) - set(extras)

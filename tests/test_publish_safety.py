@@ -352,6 +352,7 @@ def test_an_interrupt_swallowed_by_native_code_is_still_an_interrupt(monkeypatch
     """A signal whose exception native code swallows (safetensors reporting a bad storage instead)
     is recorded; the CLI reports the interruption, not the error it caused."""
     import graphkiln.cli as cli
+    from graphkiln.cli import commands
     from graphkiln.errors import GraphkilnError
     from graphkiln.publish import interrupt_arrived
 
@@ -363,7 +364,7 @@ def test_an_interrupt_swallowed_by_native_code_is_still_an_interrupt(monkeypatch
         assert isinstance(interrupt_arrived(), kind)
         raise GraphkilnError("model.safetensors is truncated or corrupt reading 'w'")
 
-    monkeypatch.setattr(cli, "_inspect", swallowing)
+    monkeypatch.setattr(commands, "do_inspect", swallowing)
     # Python's own Ctrl-C handler, which a runner started in the background (SIGINT ignored) lacks
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
