@@ -18,14 +18,13 @@ Adapters are random PEFT LoRA adapters (``init_lora_weights=False``) on every pr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_checkpoint import build  # noqa: E402
+from benchlib import exported, real_checkpoint, scheduled_rate, timed_generate  # noqa: E402
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -49,42 +48,26 @@ def adapters(ckpt: Path, work: Path, rank: int, n: int) -> dict[str, Path]:
 
 
 def export(ckpt: Path, art: Path, quant: str | None, rank: int | None, targets: str | None = None) -> Path:
-    from graphkiln.export.pipeline import ExportOptions, export_model
-
-    if not (art / "manifest.json").is_file():
-        export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=1024, quant=quant, lora_rank=rank,
-                                                   lora_targets=targets, max_loras=4, overwrite=True))
-    return art
+    return exported(ckpt, art, max_seq_len=1024, quant=quant, lora_rank=rank, lora_targets=targets, max_loras=4,
+                    overwrite=True)
 
 
 def decode_rate(engine, prompts, new: int, adapter=None) -> float:
     """Generated tokens/s of one batch after its prefill (the prefill timed alone and taken off)."""
     from graphkiln.runtime import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=1, stop_token_ids=(), adapter=adapter)
-    t = time.perf_counter()
-    engine.generate(prompts, config)
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    out = engine.generate(prompts, dataclasses.replace(config, max_new_tokens=new))
-    total = time.perf_counter() - t
+    config = GenerationConfig(max_new_tokens=new, stop_token_ids=(), adapter=adapter)
+    rate, out = timed_generate(engine, prompts, config)
     assert all(len(o.token_ids) == new for o in out)
-    return len(prompts) * (new - 1) / (total - prefill)
+    return rate
 
 
-def scheduled_rate(engine, prompts, names, new: int) -> float:
+def adapter_rate(engine, prompts, names, new: int) -> float:
+    """Tokens/s of the prompts through the scheduler together, request i with adapter names[i]."""
     from graphkiln.runtime import GenerationConfig
-    from graphkiln.runtime.request.scheduler import Scheduler
 
-    sched = Scheduler(engine, max_batch=len(prompts))
-    handles = [sched.submit(p, GenerationConfig(max_new_tokens=new, stop_token_ids=(), adapter=n))
-               for p, n in zip(prompts, names)]
-    t = time.perf_counter()
-    sched.start()
-    tokens = sum(len(h.result(timeout=600).token_ids) for h in handles)
-    elapsed = time.perf_counter() - t
-    sched.shutdown(10)
-    return tokens / elapsed
+    return scheduled_rate(engine, prompts, [GenerationConfig(max_new_tokens=new, stop_token_ids=(), adapter=n)
+                                            for n in names])
 
 
 def main() -> int:
@@ -98,7 +81,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     from graphkiln.runtime import Engine
 
-    ckpt = build(args.work / "ckpt")
+    ckpt = real_checkpoint(args.work)
     paths = adapters(ckpt, args.work, args.rank, 4)
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(100, 40000, 32).tolist() for _ in range(4)]
@@ -134,10 +117,10 @@ def main() -> int:
             for name, path in paths.items():
                 lora.load_adapter(name, path)
             one, mixed = [], []
-            scheduled_rate(lora, prompts, list(paths), 4)  # warm-up
+            adapter_rate(lora, prompts, list(paths), 4)  # warm-up
             for _ in range(args.repeats):
-                one.append(scheduled_rate(lora, prompts, ["a0"] * 4, args.new_tokens))
-                mixed.append(scheduled_rate(lora, prompts, list(paths), args.new_tokens))
+                one.append(adapter_rate(lora, prompts, ["a0"] * 4, args.new_tokens))
+                mixed.append(adapter_rate(lora, prompts, list(paths), args.new_tokens))
             o, m = statistics.median(one), statistics.median(mixed)
             print(f"4 requests, Scheduler: all on one adapter {o:.1f} tok/s, each on its own {m:.1f} tok/s ({m / o:.3f}x)")
         del plain, lora

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_checkpoint import build  # noqa: E402
+from benchlib import exported, real_checkpoint  # noqa: E402
 
 QUESTIONS = ["Summarize the document in one sentence.", "What is the main idea of the second paragraph?",
              "List three facts the document states.", "Who would find this document useful, and why?"]
@@ -46,13 +46,7 @@ def document(chars: int) -> str:
 
 
 def artifact(work: Path) -> Path:
-    from graphkiln.export.pipeline import ExportOptions, export_model
-
-    ckpt = build(work / "smollm2-135m-instruct")
-    art = work / "artifact-2048"
-    if not (art / "manifest.json").is_file():
-        export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=2048))
-    return art
+    return exported(real_checkpoint(work, "smollm2-135m-instruct"), work / "artifact-2048", max_seq_len=2048)
 
 
 def _hits(engine) -> int:

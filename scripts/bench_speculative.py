@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_checkpoint import build  # noqa: E402
+from benchlib import exported, real_checkpoint  # noqa: E402
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved funding for the new library, "
              "postponed the road repairs until spring, and asked the treasurer to publish a quarterly report "
@@ -48,17 +48,14 @@ def main() -> int:
     args = ap.parse_args()
     settings = args.settings.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
-    from graphkiln.export.pipeline import ExportOptions, export_model
     from graphkiln.runtime import Engine, GenerationConfig
     from graphkiln.chat import load_template
 
-    ckpt = build(args.work / "ckpt")
-    art = args.work / "fp32"
-    if not (art / "manifest.json").is_file():
-        export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=1024, overwrite=True))
+    ckpt = real_checkpoint(args.work)
+    art = exported(ckpt, args.work / "fp32", max_seq_len=1024, overwrite=True)
     draft = args.work / "int4"  # the same checkpoint's int4 export drafts for the fp32 one
-    if any(s.startswith("draft") for s in settings) and not (draft / "manifest.json").is_file():
-        export_model(str(ckpt), draft, ExportOptions(progress=False, max_seq_len=1024, overwrite=True, quant="int4"))
+    if any(s.startswith("draft") for s in settings):
+        exported(ckpt, draft, max_seq_len=1024, overwrite=True, quant="int4")
     engine = Engine.load(art, threads=args.threads, draft=draft if draft.is_dir() else None)
     if engine.draft is not None:
         print(f"draft step cost, measured at load: {engine.draft.cost:.2f} of the target's"

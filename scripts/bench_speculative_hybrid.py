@@ -18,8 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import exported  # noqa: E402
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=2, head_dim=256,
@@ -127,8 +131,6 @@ def main() -> int:
 
 def _build(work: Path) -> tuple[Path, Path]:
     """The random checkpoint's fp32 and int8 (the draft) onnxruntime exports, once."""
-    from graphkiln.export.pipeline import ExportOptions, export_model
-
     art, draft, ckpt = work / "artifact", work / "int8", work / "checkpoint"
     if not (art / "manifest.json").is_file():
         import torch
@@ -137,11 +139,8 @@ def _build(work: Path) -> tuple[Path, Path]:
         torch.manual_seed(0)
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG)).eval()
         model.save_pretrained(ckpt)
-        export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=512, overwrite=True))
-    if not (draft / "manifest.json").is_file():
-        export_model(str(ckpt), draft, ExportOptions(progress=False, max_seq_len=512, overwrite=True, quant="int8",
-                                                      quant_method="rtn"))
-    return art, draft
+    exported(ckpt, art, max_seq_len=512, overwrite=True)
+    return art, exported(ckpt, draft, max_seq_len=512, overwrite=True, quant="int8", quant_method="rtn")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_checkpoint import build  # noqa: E402
+from benchlib import exported, real_checkpoint, scheduled_rate, timed_generate  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"], "properties": {
     "items": {"type": "array", "minItems": 8, "maxItems": 8, "items": {
@@ -32,17 +32,9 @@ PROMPT = "List eight items for a moving box inventory as JSON:"
 
 
 def timed(engine, config, prompts):
-    """(decode tokens/s, tokens per request) of one generate call, its prefill taken off."""
-    import dataclasses
-
-    t = time.perf_counter()
-    engine.generate(prompts, dataclasses.replace(config, max_new_tokens=1))
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    out = engine.generate(prompts, config)
-    total = time.perf_counter() - t
-    n = sum(len(o.token_ids) for o in out)
-    return (n - len(prompts)) / (total - prefill), [len(o.token_ids) for o in out], out
+    """(decode tokens/s, tokens per request, outputs) of one generate call, its prefill taken off."""
+    rate, out = timed_generate(engine, prompts, config)
+    return rate, [len(o.token_ids) for o in out], out
 
 
 def main() -> int:
@@ -52,13 +44,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    from graphkiln.export.pipeline import ExportOptions, export_model
     from graphkiln.runtime import Engine, GenerationConfig
 
-    ckpt = build(args.work / "ckpt")
-    art = args.work / "fp32"
-    if not (art / "manifest.json").is_file():
-        export_model(str(ckpt), art, ExportOptions(progress=False, max_seq_len=1024, overwrite=True))
+    art = exported(real_checkpoint(args.work), args.work / "fp32", max_seq_len=1024, overwrite=True)
     engine = Engine.load(art, threads=args.threads)
     t = time.perf_counter()
     engine.prep.resolve(GenerationConfig(json_schema=SCHEMA))
@@ -82,17 +70,9 @@ def main() -> int:
 
     mixed, free = [], []
     prompts = [PROMPT] * 4
-    from graphkiln.runtime.request.scheduler import Scheduler
 
     def batch(configs) -> float:
-        sched = Scheduler(engine, max_batch=4)
-        handles = [sched.submit(p, c) for p, c in zip(prompts, configs)]
-        t = time.perf_counter()
-        sched.start()
-        n = sum(len(h.result(timeout=600).token_ids) for h in handles)
-        elapsed = time.perf_counter() - t
-        sched.shutdown(10)
-        return n / elapsed
+        return scheduled_rate(engine, prompts, configs)
 
     for _ in range(args.repeats):
         mixed.append(batch([GenerationConfig(max_new_tokens=120, json_schema=SCHEMA)] * 2
