@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.export.stages import parse_stage_layers, plan_even
+from graphkiln.export.stage_plan import parse_stage_layers, plan_even
 
 # (checkpoint, how, target, quant), each family at N=2 and N=3 in four exports: dense with tied
 # embeddings (N=2 planned and int4: the quantized case, whose last stage quantizes its own copy of
@@ -80,7 +80,7 @@ def _torch_decoder(checkpoint):
 @pytest.mark.parametrize("name,how,target,quant", STAGED,
                          ids=[f"{n}-{h}-{t}" + (f"-{q}" if q else "") for n, h, t, q in STAGED])
 def test_staged_export_and_chained_run(staged, name, how, target, quant):
-    from graphkiln.export.stages import planned_bytes, stage_costs
+    from graphkiln.export.stage_plan import planned_bytes, stage_costs
     from graphkiln.runtime import Engine, GenerationConfig
 
     case, art, manifest, single_art = staged(name, how, target, quant)

@@ -140,7 +140,7 @@ def test_tensorrt_runner_and_build_refuse_a_staged_artifact(staged, capsys):
 
 
 def test_every_target_is_a_stage_target_and_an_unknown_one_is_refused():
-    from graphkiln.export.stages import STAGE_TARGETS, check_stage_request
+    from graphkiln.export.stage_plan import STAGE_TARGETS, check_stage_request
     from graphkiln.manifest import TARGETS
 
     # a target added to the manifest without a per-stage lowering must be refused, not exported unlowered

@@ -343,7 +343,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
             raise GraphkilnError(f"config.json: image token id {vcfg.image_token_id} is outside the text vocabulary "
                                  f"[0, {cfg.vocab_size}): fix image_token_index")
 
-    from graphkiln.export.stages import check_stage_request
+    from graphkiln.export.stage_plan import check_stage_request
 
     stage_ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
     est = _preflight(src, family, cfg, opts, targets)
@@ -402,7 +402,7 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
     """The export's writing part, into the publication's temporary directory ``tmp``."""
     from graphkiln.export.graph_exporters import ExportContext, export_graph_specs
     from graphkiln.export.onnx_export import NP_DTYPE
-    from graphkiln.export.stages import make_plan
+    from graphkiln.export.stage_plan import make_plan
     from graphkiln.models.weights import load_decoder
 
     t0 = time.perf_counter()

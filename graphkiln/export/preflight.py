@@ -86,7 +86,7 @@ def _largest_stage(opts, cfg, targets, layer_bytes: list[int]) -> int:
     """The layer bytes of the largest pipeline stage (``--stages``/``--stage-layers``), all of whose
     layers are read for its trace; 0 unstaged. ``--stages N`` is planned by bytes once the weights
     are known: at most an even share plus one layer."""
-    from graphkiln.export.stages import check_stage_request
+    from graphkiln.export.stage_plan import check_stage_request
 
     ranges = check_stage_request(opts.stages, opts.stage_layers, cfg.num_layers, targets)
     if ranges is None:
