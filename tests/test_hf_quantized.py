@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
+import stat
+import subprocess
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -732,16 +735,17 @@ CATASTROPHIC = {
 def test_catastrophic_pattern_is_one_line_within_a_second(case, built, tmp_path, capsys):
     """A module-name pattern that backtracks catastrophically (re spun for minutes at 100% CPU) or
     would make the regex engine write out a huge program is refused in one line naming the key, the
-    pattern and the fix, after a quarter second of matching (measured: ~0.3 s of CPU for the whole
+    pattern and the fix, after a quarter second of matching (measured: 0.3-0.5 s of CPU for the whole
     refused export, ~1 s of wall time at a load of 4 per core)."""
     from graphkiln.untrusted import show
 
     name, config, key, pattern = CATASTROPHIC[case]
     ckpt = _variant(built, name, tmp_path, config)
-    start = time.process_time()
     with _cpu_limit(20):
         export_fails(capsys, ckpt, tmp_path / "out" / "art", key, show(pattern), "quantization_config")
-    assert time.process_time() - start < 1.5
+        start = time.process_time()  # again, the imports done: what the refusal itself costs
+        export_fails(capsys, ckpt, tmp_path / "out" / "art", key, show(pattern), "quantization_config")
+        assert time.process_time() - start < 1.0
 
 
 def test_real_patterns_still_match(built, tmp_path, capsys):
@@ -838,3 +842,54 @@ def _sidecar_copy(built, tmp_path: Path, meta: bytes | None, cut: int | None = N
 def test_malformed_prequantized_sidecar_is_one_line(meta, cut, needle, built, tmp_path, capsys):
     ckpt = _sidecar_copy(built, tmp_path, meta, cut)
     export_fails(capsys, ckpt, tmp_path / "out" / "art", "graphkiln-prequantized.safetensors", needle)
+
+
+def _link_out(ckpt: Path, outside: Path) -> None:
+    (outside / "secret.txt").write_text("not the checkpoint's")
+    (ckpt / "chat_template.jinja").unlink()
+    (ckpt / "chat_template.jinja").symlink_to(outside / "secret.txt")
+
+
+def _fifo(name: str):
+    def make(ckpt: Path, outside: Path) -> None:
+        if (ckpt / name).exists():
+            (ckpt / name).unlink()
+        os.mkfifo(ckpt / name)
+    return make
+
+
+def _dangling(ckpt: Path, outside: Path) -> None:
+    (ckpt / "generation_config.json").unlink()
+    (ckpt / "generation_config.json").symlink_to(outside / "gone.json")
+
+
+@pytest.mark.parametrize("make, needles", [
+    (_link_out, ("chat_template.jinja", "outside")),
+    (_fifo("tokenizer_config.json"), ("tokenizer_config.json", "FIFO")),
+    (_dangling, ("generation_config.json",)),
+    (_fifo("model-extra.safetensors"), ("model-extra.safetensors", "FIFO")),
+], ids=["link-out", "fifo-file", "dangling-link", "fifo-shard"])
+def test_converted_files_are_the_checkpoints_own_regular_files(make, needles, built, tmp_path, capsys):
+    """The conversion copies the checkpoint's other files by the rule export reads them with
+    (``models.checkpoint_files``): a link out of the checkpoint is refused, never copied into the
+    converted checkpoint (and from there into the artifact); a FIFO or a dangling link is refused,
+    never silently left out, and a FIFO shard never blocks."""
+    ckpt = _variant(built, "gptq-v1-sym", tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    make(ckpt, outside)
+    with _writer_after(30, [p for p in ckpt.iterdir() if stat.S_ISFIFO(p.lstat().st_mode)]):
+        export_fails(capsys, ckpt, tmp_path / "out" / "art", *needles)
+
+
+@contextlib.contextmanager
+def _writer_after(seconds: float, fifos: list[Path]):
+    """After ``seconds``, another process opens each FIFO's write end and closes it: a reader
+    blocked in open() (safetensors' open holds the GIL, so no thread of this process could help)
+    then reads an empty file and fails, so code that would block forever fails the test instead."""
+    writer = subprocess.Popen(["sh", "-c", f'sleep {seconds}; for f; do : > "$f"; done', "sh", *map(str, fifos)])
+    try:
+        yield
+    finally:
+        writer.kill()
+        writer.wait()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.models import checkpoint_files
 from graphkiln.models.hf_quantized.awq import AWQ
 from graphkiln.models.hf_quantized.compressed_tensors import CompressedTensors
 from graphkiln.models.hf_quantized.gptq import GPTQ
@@ -25,6 +26,7 @@ _SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".p
                      ".gguf", ".npz", ".npy")
 _SKIPPED_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "quant_config.json",
                   "quantization_config.json")
+_COPY_FIX = "replace it with the file itself, inside the checkpoint, or remove it"
 # A quantization_config nests 4 levels (compressed-tensors' config_groups.NAME.weights.KEY)
 MAX_CONFIG_DEPTH = 32
 
@@ -60,11 +62,13 @@ def _write(src: Path, dest: Path, raw: dict, store: "Store", layout: "Layout", m
            passthrough: list[str]) -> None:
     from graphkiln.models.prequantized import write_sidecar
 
-    for path in sorted(src.iterdir()):  # the non-weight files (hub snapshots hold symlinks: followed)
+    for path in sorted(src.iterdir()):  # the non-weight files, by checkpoint_files' rules (links inside only)
         if path.name in _SKIPPED_FILES or path.suffix.lower() in _SKIPPED_SUFFIXES or path.name.startswith("."):
             continue
-        if path.is_file():
-            shutil.copyfile(path, dest / path.name)
+        if path.is_dir():  # a subfolder is nothing export reads; a FIFO or a dangling link is refused below
+            continue
+        with checkpoint_files.open_file(path, src, _COPY_FIX) as f, open(dest / path.name, "wb") as out:
+            shutil.copyfileobj(f, out)
     config = {k: v for k, v in raw.items() if k != "quantization_config"}
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.models import checkpoint_files
 from graphkiln.untrusted import show
 
 # An output shard is written once it holds this many bytes (dequantized weights are float32).
@@ -25,6 +26,8 @@ class Store:
         from graphkiln.models.prequantized import PREQUANTIZED_FILE
 
         shards = sorted(p for p in src.glob("*.safetensors") if p.name != PREQUANTIZED_FILE)
+        for shard in shards:  # safetensors opens by name (and would block on a FIFO): regular files only
+            checkpoint_files.check_file(shard, src, "re-download or re-save the checkpoint")
         if not shards:
             raise GraphkilnError(f"no *.safetensors files in {show(str(src), 120)}: a GPTQ/AWQ/compressed-tensors "
                                  "checkpoint is read from safetensors only (never a pickle); re-save it with "
