@@ -25,7 +25,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool):
-    """Every module name ``tree`` imports at run time (absolute, relative imports resolved)."""
+    """Every import ``tree`` runs, as (module, names taken from it): absolute, relative ones
+    resolved."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -33,15 +34,14 @@ def _imports(tree: ast.AST, module: str, is_package: bool):
             stack.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
+            yield from ((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = module.split(".")
                 anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
                 base = ".".join(anchor + ([base] if base else []))
-            yield base
-            yield from (f"{base}.{a.name}" for a in node.names)  # a submodule, when it is one
+            yield base, tuple(a.name for a in node.names)
         stack.extend(ast.iter_child_nodes(node))
 
 
@@ -51,7 +51,14 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        graph[name] = {m for m in _imports(tree, name, path.name == "__init__.py") if m in files and m != name}
+        edges = set()
+        for base, names in _imports(tree, name, path.name == "__init__.py"):
+            # ``from pkg import sub`` imports the submodule; the package's __init__ runs first, as it
+            # does for any ``import pkg.sub``, which is no edge to it either (an __init__ that
+            # imports its submodules must not make every sibling import a cycle)
+            subs = {f"{base}.{n}" for n in names} & files.keys()
+            edges |= subs if subs and len(subs) == len(names) else subs | {base}
+        graph[name] = {m for m in edges if m in files and m != name}
     return graph
 
 
@@ -96,8 +103,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_cycle_finder_sees_function_level_and_relative_imports(tmp_path):
-    """The finder itself: a cycle closed by a function-level or relative import is found, one
-    closed only under TYPE_CHECKING is not."""
+    """The finder itself: a cycle closed by a function-level or relative import is found; one
+    closed only under TYPE_CHECKING is not, nor a package whose __init__ re-exports a submodule
+    that imports a sibling."""
     pkg = tmp_path / "graphkiln"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -108,6 +116,10 @@ def test_cycle_finder_sees_function_level_and_relative_imports(tmp_path):
     (pkg / "sub" / "d.py").write_text("import graphkiln.sub.c\n")
     (pkg / "e.py").write_text("from typing import TYPE_CHECKING\nimport graphkiln.f\n")
     (pkg / "f.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from graphkiln import e\n")
+    (pkg / "pkg").mkdir()
+    (pkg / "pkg" / "__init__.py").write_text("from graphkiln.pkg.g import x\n")  # re-exports, as manifest/ does
+    (pkg / "pkg" / "g.py").write_text("from graphkiln.pkg import h\n")  # a sibling: no edge to the __init__
+    (pkg / "pkg" / "h.py").write_text("")
     assert cycles(import_graph(pkg)) == [["graphkiln.a", "graphkiln.b"], ["graphkiln.sub.c", "graphkiln.sub.d"]]
 
 
