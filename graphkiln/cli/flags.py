@@ -119,7 +119,10 @@ def refuse_flags_without_their_parent(args) -> None:
     if getattr(args, "speculative", None) is not None:
         from graphkiln.runtime.request.speculate import parse_speculative
 
-        chosen = parse_speculative(args.speculative)  # a bad value: one line, before the load
+        try:  # a bad value: one line, before the load, naming the flag
+            chosen = parse_speculative(args.speculative)
+        except GraphkilnError as exc:
+            raise GraphkilnError(f"--{exc}") from None  # the engine's line names the field: "speculative ..."
         source = chosen[0] if chosen else "off"
         if source == "draft" and args.draft is None:
             raise GraphkilnError(f"--speculative {show(args.speculative, 40)} verifies a draft model's tokens, and no "
