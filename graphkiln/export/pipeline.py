@@ -275,6 +275,9 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
         if opts.opset != TRT_OPSET:
             raise GraphkilnError(f"--opset {opts.opset} does not suit --target tensorrt: TensorRT's native "
                                  f"RMSNormalization needs opset {TRT_OPSET}; use --opset {TRT_OPSET} (the default)")
+    from graphkiln.memory import one_heap
+
+    one_heap()  # the streamed export's peak must not depend on how the heaps fragment
     with prepared_checkpoint(model, say=lambda msg: _say(opts, msg)) as src:
         return _export_checkpoint(model, src, out_dir, opts, targets)
 
