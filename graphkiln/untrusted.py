@@ -46,8 +46,8 @@ def show_json(value: object, limit: int = 60) -> str:
     characters, "..." included."""
     try:
         text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError):
-        text = ascii(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON's, or nested past the recursion limit
+        text = ascii(value) if not isinstance(value, (list, dict)) else type(value).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
