@@ -89,14 +89,7 @@ def test_load_keeps_no_artifact_pages_resident(int4_artifact, monkeypatch):
 
 
 def test_plain_load_builds_only_the_decoder_session(int4_artifact, monkeypatch):
-    built = []
-    real = ort_cpu._build_session
-
-    def counting(ort, artifact_dir, graph_file, opts):
-        built.append(graph_file)
-        return real(ort, artifact_dir, graph_file, opts)
-
-    monkeypatch.setattr(ort_cpu, "_build_session", counting)
+    built = _built_sessions(monkeypatch)
     Engine.load(int4_artifact)
     assert built == ["decoder.onnx"]
     built.clear()

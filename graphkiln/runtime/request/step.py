@@ -160,9 +160,7 @@ class StepBatch:
         for r in list(waiting):
             if self.pool.free_slots <= len(group):
                 break
-            if r.adapter_slot is None and not self._acquire_adapter(r):
-                waiting.remove(r)
-                cancelled.append(r)
+            if not self._holds_adapter(r, waiting, cancelled):
                 continue
             first_in_queue, head = head, False
             n = len(r.prompt_ids)
@@ -220,6 +218,15 @@ class StepBatch:
             return min(rest, budget)
         return min(rest, int(budget) - int(budget) // 2)
 
+    def _holds_adapter(self, r: RequestState, waiting, cancelled: list[RequestState]) -> bool:
+        """Whether ``r`` holds its adapter's slot (taking it now if it has none yet); a request whose
+        adapter cannot be had leaves ``waiting`` for ``cancelled``."""
+        if r.adapter_slot is None and not self._acquire_adapter(r):
+            waiting.remove(r)
+            cancelled.append(r)
+            return False
+        return True
+
     def _whole_prompts(self, waiting, budget: float, cancelled: list[RequestState]) -> tuple[list, list[int]]:
         """A runner that cannot run a range of slots from ``first_slot`` > 0: whole prompts in
         queue order while they fit (the first even when it alone does not), run from slot 0."""
@@ -228,9 +235,7 @@ class StepBatch:
         for r in list(waiting):
             if self.pool.free_slots <= len(group):
                 break
-            if r.adapter_slot is None and not self._acquire_adapter(r):
-                waiting.remove(r)
-                cancelled.append(r)
+            if not self._holds_adapter(r, waiting, cancelled):
                 continue
             n = len(r.prompt_ids)
             if group and (len(group) + 1) * max(longest, n) > budget:
