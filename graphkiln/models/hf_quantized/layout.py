@@ -136,6 +136,21 @@ class Layout:
     def blocks(self, store: Store, module: str, parts: dict[str, str]):
         raise NotImplementedError
 
+    # Formats whose values are not integer blocks (FP8, NVFP4) choose their blocks on conversion
+    # and keep their own values as the float weight; the integer formats keep these defaults.
+    def request(self, bits: int | None, block_size: int | None) -> None:
+        """The export's ``--quant`` width and ``--quant-block-size`` (None: not given), for formats
+        whose blocks are chosen on conversion; the integer formats store their own and ignore it."""
+
+    def weight(self, store: Store, module: str, parts: dict[str, str], blocks) -> np.ndarray:
+        """The module's float32 ``[N, K]`` weight the converted checkpoint holds: the blocks' values,
+        or the stored format's own values where the blocks only approximate them."""
+        return blocks.dequantize()
+
+    def summary(self) -> str | None:
+        """One line on what the conversion did (e.g. the blocks' error against the stored values)."""
+        return None
+
     # shared header checks
     def _expect(self, store: Store, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None,
                 what: str) -> None:
