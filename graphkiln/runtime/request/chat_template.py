@@ -54,6 +54,8 @@ MAX_RENDER_CHARS = 1 << 24  # twice the largest request body; no artifact's cont
 TRANSFER_BYTES_PER_S = 8 << 20  # added to the deadline for the messages' trip through the worker (~0.4 s for 8 MiB)
 SPAWN_SECONDS = 30.0  # a worker's start (python and jinja2 imported), outside the render's deadline
 IDLE_WORKERS = 4
+# the variables render sets itself: a request's chat_template_kwargs may not replace them
+RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 FIX = "fix or remove the artifact's chat template (chat_template.jinja, or chat_template in tokenizer_config.json)"
 
 
@@ -136,15 +138,22 @@ class ChatTemplate:
         return cls(template, problem, bos_token, eos_token, tokenizer, source if template is not None else None)
 
     def render(self, messages: list[dict[str, Any]], *, seconds: float = RENDER_SECONDS,
-               max_chars: int = MAX_RENDER_CHARS) -> str:
+               max_chars: int = MAX_RENDER_CHARS, variables: dict[str, Any] | None = None) -> str:
         """The prompt text for ``messages`` (JSON-like: dicts, lists, strings, numbers) with the
         assistant's turn opened, rendered in a sandbox worker within ``seconds``, the worker's
-        memory bound and ``max_chars`` characters; anything else is one ``ChatTemplateError``."""
+        memory bound and ``max_chars`` characters; anything else is one ``ChatTemplateError``.
+        ``variables``: more template variables, JSON-like (``tools``, ``enable_thinking``,
+        ``reasoning_effort``: a request's ``chat_template_kwargs``); they never replace
+        ``messages``, ``add_generation_prompt`` or the special tokens (``RESERVED``)."""
         if self.template is None:
             raise ChatTemplateError(f"this model has no usable chat template ({self.problem}): use /v1/completions "
                                     "with a prompt you format yourself, or export a checkpoint that has one")
-        variables = dict(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                         eos_token=self.eos_token, tools=None, documents=None)
+        taken = sorted(RESERVED & set(variables or ()))
+        if taken:
+            raise ChatTemplateError(f"template variable {taken[0]!r} is the server's to set: leave it out of "
+                                    "chat_template_kwargs")
+        variables = dict(dict(tools=None, documents=None), **(variables or {}), messages=messages,
+                         add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
         request = template_sandbox.encode_frame(dict(source=self.source, vars=variables, max_chars=max_chars,
                                                      seconds=seconds))
         # a reply is ASCII JSON: at most 12 bytes a character (an escaped surrogate pair), plus the frame
@@ -165,9 +174,9 @@ class ChatTemplate:
         raise ChatTemplateError(f"the chat template failed on these messages ({error}): check the roles and their "
                                 "order")
 
-    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode(self, messages: list[dict[str, Any]], variables: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids, never none; the template already wrote any BOS, so none is added."""
-        text = self.render(messages)
+        text = self.render(messages, variables=variables)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:  # the engine refuses an empty prompt too, but a batch of none is no refusal
             raise ChatTemplateError(f"the chat template rendered these messages as no tokens ({show(text)}): {FIX}")
