@@ -22,7 +22,8 @@ def do_export(args) -> int:
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
         quant_symmetric=args.quant_scheme == "sym", quant_method=args.quant_method, stages=args.stages, stage_layers=args.stage_layers,
-        return_hidden_states=args.return_hidden_states, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+        return_hidden_states=args.return_hidden_states, task=args.task, pooling=args.pooling,
+        normalize=args.normalize, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
         max_loras=ExportOptions.max_loras if args.max_loras is None else args.max_loras))
     return 0
 

@@ -60,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--return-hidden-states", action="store_true",
                    help="the decoder graph also returns the final-norm hidden states at the logits positions "
                         "(GenerationConfig(return_hidden_states=...), Engine.embed); not with --target tensorrt")
+    e.add_argument("--task", default="generate", choices=["generate", "embed"],
+                   help="generate (default): a decoder with its LM head; embed: an embedding artifact (no LM "
+                        "head, Engine.embed, serve's /v1/embeddings), e.g. from Qwen3-Embedding")
+    e.add_argument("--pooling", default=None, choices=["last", "mean"],
+                   help="--task embed: the artifact's default pooling (default: the checkpoint's "
+                        "sentence-transformers pooling, else last)")
+    e.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction,
+                   help="--task embed: whether embeddings are L2-normalised by default (default: as the "
+                        "checkpoint's sentence-transformers modules say, else yes)")
     e.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="serve LoRA adapters: per targeted projection, adapter stacks of rank R (the largest "
                         "adapter rank accepted) become graph inputs, each request choosing its adapter or none")

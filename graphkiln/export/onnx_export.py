@@ -37,9 +37,11 @@ def last_hidden_state_spec(hidden: int, dtype: str) -> TensorSpec:
     return TensorSpec("last_hidden_state", dtype, ("batch", "n_logits", hidden), "last_hidden_state")
 
 
-def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False,
+               logits: bool = True) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Names, dtypes, symbolic shapes and roles of the decoder graph (see models.decoder);
-    ``hidden_states``: the graph also returns ``last_hidden_state`` right after the logits."""
+    ``hidden_states``: the graph also returns ``last_hidden_state`` right after the logits;
+    ``logits`` False (an embedding graph, export --task embed): ``last_hidden_state`` instead of them."""
     ins = [
         TensorSpec("input_ids", "int64", ("batch", "seq"), "input_ids"),
         TensorSpec("position_ids", "int64", ("batch", "seq"), "position_ids"),
@@ -57,8 +59,8 @@ def decoder_io(cfg: DecoderConfig, dtype: str, hidden_states: bool = False) -> t
                 TensorSpec("slot_idx", "int64", ("batch",), "slot_idx")]
     if cfg.lora is not None:
         ins += LORA_ROUTING
-    outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")]
-    if hidden_states:
+    outs = [TensorSpec("logits", "float32", ("batch", "n_logits", cfg.vocab_size), "logits")] if logits else []
+    if hidden_states or not logits:
         outs.append(last_hidden_state_spec(cfg.hidden_size, dtype))
     kv, d = cfg.num_kv_heads, cfg.head_dim
     for i, layer in enumerate(cfg.layers):
@@ -117,7 +119,8 @@ def export_decoder(model: DecoderForExport, out_dir: Path, opset: int, file_name
     if opset not in IR_FOR_OPSET:
         raise GraphkilnError(f"--opset {opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     cfg = model.cfg
-    ins, outs = decoder_io(cfg, NP_DTYPE[model.lm_head.weight.dtype], model.return_hidden_states)
+    ins, outs = decoder_io(cfg, NP_DTYPE[model.lm_head.weight.dtype], model.return_hidden_states,
+                          model.return_logits)
     reps = template_layers(cfg) if stamp else tuple(range(cfg.num_layers))
     refused = None
     if len(reps) < cfg.num_layers:
@@ -281,7 +284,8 @@ def _trace(model: DecoderForExport, opset: int):
 
     cfg = model.cfg
     dtype = model.lm_head.weight.dtype
-    ins, outs = decoder_io(cfg, NP_DTYPE[dtype], model.return_hidden_states)
+    ins, outs = decoder_io(cfg, NP_DTYPE[dtype], model.return_hidden_states,
+                          model.return_logits)
 
     # Example sizes avoid 0 and 1 so torch.export does not specialise the dynamic axes.
     b, s, c, n, slots = 2, 3, 5, 2, 4

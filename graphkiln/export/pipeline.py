@@ -47,6 +47,11 @@ class ExportOptions:
     # decoder graphs (the last stage's, when staged) also return ``last_hidden_state``: the
     # final-norm hidden states at the logits positions (models.decoder); not with tensorrt
     return_hidden_states: bool = False
+    # "generate" (a decoder with its LM head) or "embed" (export.embedding: an embedding artifact, no
+    # head; ``pooling``/``normalize`` its recorded defaults, None: the checkpoint's or last-token, normalised)
+    task: str = "generate"
+    pooling: str | None = None
+    normalize: bool | None = None
     # LoRA (manifest.LoraSpec): adapter stacks of rank lora_rank for max_loras slots as graph inputs
     # on the projections lora_targets names (None: every one the model has); None: no LoRA inputs
     lora_rank: int | None = None
@@ -267,6 +272,10 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
     if opts.return_hidden_states and "tensorrt" in targets:
         raise GraphkilnError("--return-hidden-states is not supported with --target tensorrt yet (its runners bind "
                              "only the outputs they know): drop it, or use --target onnxruntime or portable")
+    from graphkiln.export.embedding import check_task_options
+
+    check_task_options(opts.task, opts.pooling, opts.normalize, targets, bool(opts.stages or opts.stage_layers),
+                       opts.lora_rank is not None, opts.return_hidden_states)
     if opts.opset not in SUPPORTED_OPSETS:
         raise GraphkilnError(f"--opset {opts.opset} is not supported: choose one of {', '.join(map(str, SUPPORTED_OPSETS))}")
     if "tensorrt" in targets:
@@ -297,6 +306,11 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     refuse_checkpoint_code(src, raw)
     refuse_quantized(raw)
     arch = architecture_of(raw)
+    if opts.task == "embed":  # a base model class (Qwen3Model) is read by its *ForCausalLM family
+        from graphkiln.export.embedding import embedding_architecture
+        from graphkiln.models.registry import supported_architectures
+
+        arch = embedding_architecture(arch, lambda a: a in supported_architectures())
     family = family_for(arch)
     try:
         cfg = family.parse_config(raw)
@@ -312,6 +326,12 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
                                  f"{','.join(lora_paths) or 'none'})")
         lora = dataclasses.replace(lora, modules=tuple(m for m in lora.modules if m in lora_paths))
     cfg = dataclasses.replace(cfg, lora=lora)
+    embedding = None
+    if opts.task == "embed":
+        from graphkiln.export.embedding import embedding_config, embedding_spec
+
+        embedding = embedding_spec(src, opts.pooling, opts.normalize, family.vision is not None)
+        cfg = embedding_config(cfg)
     max_seq_len = cfg.max_position_embeddings if opts.max_seq_len is None else opts.max_seq_len
     check_max_seq_len(max_seq_len, cfg, "--max-seq-len" if opts.max_seq_len is not None else
                       "max_position_embeddings in config.json")
@@ -357,7 +377,7 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         preflight.check_disk(est, tmp, Path(out_dir), opts)
         try:
             return _export_into(tmp, model, src, out_dir, arch, family, cfg, vcfg, opts, targets, prequantized,
-                                generation, assets, max_seq_len, stage_ranges, lora_paths, io_before)
+                                generation, assets, max_seq_len, stage_ranges, lora_paths, io_before, embedding)
         finally:
             from graphkiln.export.external_data import forget_deferred
 
@@ -401,7 +421,7 @@ def _peak_rss() -> int:
 
 def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, cfg, vcfg, opts: ExportOptions,
                  targets, prequantized, generation, assets, max_seq_len: int, stage_ranges, lora_paths,
-                 io_before) -> Manifest:
+                 io_before, embedding=None) -> Manifest:
     """The export's writing part, into the publication's temporary directory ``tmp``."""
     from graphkiln.export.graph_exporters import ExportContext, export_graph_specs
     from graphkiln.export.onnx_export import NP_DTYPE
@@ -416,6 +436,7 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
     try:
         decoder.set_rope_positions(max_seq_len)
         decoder.return_hidden_states = bool(opts.return_hidden_states)
+        decoder.return_logits = embedding is None  # an embedding graph has no head (export.embedding)
         quant_inputs = None
         if opts.quant:
             quant_inputs, opts = _quant_inputs(src, decoder, prequantized, opts)
@@ -459,6 +480,7 @@ def _export_into(tmp: Path, model: str, src: Path, out_dir: Path, arch, family, 
             stages=exported.stage_specs(tuple(states)),
             batched=exported.batched,
             lora=LoraSpec(cfg.lora.rank, cfg.lora.max_loras, cfg.lora.modules, lora_paths) if cfg.lora else None,
+            embedding=embedding,
         ).validated()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         written = _written_bytes()

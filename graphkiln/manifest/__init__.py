@@ -50,7 +50,8 @@ from ``graphkiln.manifest``: the names below are the public ones.
 from graphkiln.manifest.document import Manifest
 from graphkiln.manifest.fields import plain_relative_path
 from graphkiln.manifest.paths import artifact_file, open_artifact_file
-from graphkiln.manifest.specs import (DEFAULT_MAX_IMAGE_PIXELS, BatchedGraphSpec, CustomOpRef, DerivedWeight,
+from graphkiln.manifest.specs import (DEFAULT_MAX_IMAGE_PIXELS, EMBEDDING_POOLINGS, BatchedGraphSpec, CustomOpRef,
+                                      DerivedWeight, EmbeddingSpec,
                                       EngineSpec, GenerationDefaults, GraphSpec, LoraSpec, ModelInfo, ProfileSpec,
                                       StageSpec, StateSpec, TensorRef, TensorSpec, VisionSpec, is_pool_output,
                                       is_state, state_kind, state_update)
@@ -64,7 +65,8 @@ __all__ = [
     "BACKEND_TARGETS", "CONV_ROLES", "DEFAULT_MAX_IMAGE_PIXELS", "DIM_NAMES", "FORMAT_VERSION", "GRAPH_ROLES",
     "INPUT_ROLES", "KV_ROLES", "LORA_MODULES", "LORA_STACK_ROLES", "MANIFEST_NAME", "MAX_MANIFEST_BYTES",
     "OUTPUT_ROLES", "READABLE_VERSIONS", "RECURRENT_ROLES", "SLOT_STATE_INPUTS", "SLOT_STATE_ROLES", "STAGE_GRAPH",
-    "STATE_KINDS", "TARGETS", "UPDATES", "BatchedGraphSpec", "CustomOpRef", "DerivedWeight", "EngineSpec",
+    "STATE_KINDS", "TARGETS", "UPDATES", "BatchedGraphSpec", "CustomOpRef", "DerivedWeight", "EMBEDDING_POOLINGS",
+    "EmbeddingSpec", "EngineSpec",
     "GenerationDefaults", "GraphSpec", "LoraSpec", "Manifest", "ModelInfo", "ProfileSpec", "StageSpec", "StateSpec",
     "TensorRef", "TensorSpec", "VisionSpec", "artifact_file", "graph_roles", "is_pool_output", "is_state",
     "open_artifact_file", "plain_relative_path", "state_kind", "state_update",

@@ -161,11 +161,26 @@ def check_cross_references(m: Manifest) -> None:
     elif has_vision_graph or seams:
         raise FieldError(("vision",), "is missing: the artifact has a vision graph or seam but no vision spec")
     _check_lora_graphs(m)
+    _check_embedding(m)
     gen = m.generation
     for loc, token in [(("eos_token_ids", i), t) for i, t in enumerate(gen.eos_token_ids)] + [
             (("bos_token_id",), gen.bos_token_id), (("pad_token_id",), gen.pad_token_id)]:
         if token is not None and token >= vocab:
             raise FieldError(("generation",) + loc, f"is {token}, outside the vocabulary [0, {vocab})")
+
+
+def _check_embedding(m: Manifest) -> None:
+    """An embedding record exactly when the decoder graphs return no logits (``EmbeddingSpec``);
+    an embedding artifact is one plain decoder (no stages, vision or LoRA: export refuses them)."""
+    no_logits = [i for i, g in enumerate(m.graphs) if g.name == "decoder"
+                 and not any(t.role == "logits" for t in g.outputs)]
+    if m.embedding is None and no_logits:
+        raise FieldError(("graphs", no_logits[0], "outputs"), "hold no logits, but the manifest has no embedding "
+                          "record (only an embedding artifact's decoder returns last_hidden_state alone)")
+    if m.embedding is not None:
+        if len(no_logits) != sum(g.name == "decoder" for g in m.graphs) or m.stages or m.vision or m.lora:
+            raise FieldError(("embedding",), "is set, but the artifact's graphs are not one embedding decoder "
+                              "(every decoder graph returns last_hidden_state and no logits; no stages, vision or LoRA)")
 
 
 def _check_lora_stack(m: Manifest, where: tuple, t: TensorSpec) -> None:

@@ -18,7 +18,7 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.manifest.checks import check_cross_references
 from graphkiln.manifest.fields import STRICT, RelPath, Sha256, Text
 from graphkiln.manifest.paths import open_artifact_file
-from graphkiln.manifest.specs import (BatchedGraphSpec, CustomOpRef, EngineSpec, GenerationDefaults, GraphSpec,
+from graphkiln.manifest.specs import (BatchedGraphSpec, CustomOpRef, EmbeddingSpec, EngineSpec, GenerationDefaults, GraphSpec,
                                       LoraSpec, ModelInfo, StageSpec, StateSpec, VisionSpec, state_update)
 from graphkiln.manifest.summary import one_line, summarise
 from graphkiln.manifest.vocabulary import (BACKEND_TARGETS, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES,
@@ -42,6 +42,9 @@ class Manifest:
     stages: tuple[StageSpec, ...] = ()  # a pipeline-staged artifact: no "decoder" graph, one per stage
     batched: tuple[BatchedGraphSpec, ...] = ()  # int8 stand-ins for steps of many rows (graphkiln.batched_int8)
     lora: LoraSpec | None = None  # adapter stacks as graph inputs (export --lora-rank)
+    # an embedding artifact (export --task embed): no logits, its default pooling; absent (None) in
+    # every generation artifact, so manifests written before it existed read unchanged
+    embedding: EmbeddingSpec | None = None
     format_version: int = FORMAT_VERSION
 
     def graph(self, name: str, target: str | None = None) -> GraphSpec:

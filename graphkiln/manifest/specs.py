@@ -118,8 +118,12 @@ class GraphSpec:
                     if t.role == "hidden_states" and (len(t.shape) != 3 or tuple(t.shape[:2]) != ("batch", "seq")):
                         raise FieldError((side, i, "shape"), f"of hidden_states must be [batch, seq, hidden] "
                                           f"(got {list(t.shape)})")
-        elif sum(t.role == "logits" for t in self.outputs) != 1:
-            raise FieldError(("outputs",), "must hold exactly one logits tensor")
+        elif sum(t.role == "logits" for t in self.outputs) != 1 and not (
+                not any(t.role == "logits" for t in self.outputs)
+                and sum(t.role == "last_hidden_state" for t in self.outputs) == 1):
+            # an embedding artifact's decoder (export --task embed) returns last_hidden_state alone
+            raise FieldError(("outputs",), "must hold exactly one logits tensor (or, for an embedding artifact, "
+                              "exactly one last_hidden_state and no logits)")
         if sum(t.role in ("vision_embeddings", "vision_scatter_indices") for t in self.inputs) not in (0, 2):
             raise FieldError(("inputs",), "must hold vision_embeddings and vision_scatter_indices together (the seam)")
         inputs = {(t.role, t.layer) for t in self.inputs}
@@ -402,6 +406,23 @@ class LoraSpec:
         if missing:
             raise FieldError(("module_paths",), f"lacks {missing[0]}, one of modules")
         return self
+
+
+EMBEDDING_POOLINGS = ("last", "mean")
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """An embedding artifact (``export --task embed``): its decoder graph returns
+    ``last_hidden_state`` (the final-norm hidden states at the ``logits_index`` positions) and no
+    logits; ``pooling`` is how a text's rows become one vector by default ("last": the last
+    token's row, the pooling of decoder embedding models such as Qwen3-Embedding; "mean": the
+    average over the text's tokens), ``normalize`` whether it is scaled to unit L2 norm. A request
+    may choose otherwise (``runtime.embed``); these are what the checkpoint was trained for."""
+
+    pooling: Literal[EMBEDDING_POOLINGS]  # type: ignore[valid-type]
+    normalize: bool
 
 
 @with_config(STRICT)

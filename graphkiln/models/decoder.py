@@ -38,7 +38,8 @@ Graph contract (one graph serves prefill and decode):
                 (every adapter slot's A and B; ``with_lora`` adds (x[r] @ A[slot]) @ B[slot] to each lora row r)
   -> logits     float32 [batch, n_logits, vocab]
   -> last_hidden_state [batch, n_logits, hidden] (model dtype; only with return_hidden_states):
-                the final-norm hidden states at the logits_index positions
+                the final-norm hidden states at the logits_index positions (an embedding graph,
+                ``return_logits`` False: this output alone, in the logits' place, and no LM head)
   -> per layer: new_key.i / new_value.i [batch, kv_heads, seq, head_dim]  (rows for position_ids)
                 new_conv_state.i [batch, channels, kernel-1]               (rows for slot_idx)
                 new_recurrent_state.i [batch, v_heads, k_dim, v_dim]       (rows for slot_idx)
@@ -444,11 +445,16 @@ def embed(cfg: DecoderConfig, table: nn.Embedding, input_ids: torch.Tensor) -> t
     return x
 
 
+def final_norm(norm: nn.Module, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+    """The final norm of ``x`` [batch, seq, hidden] at the ``logits_index`` positions (transformers'
+    ``last_hidden_state`` there): what the head reads, and what an embedding graph returns."""
+    return norm(torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])))
+
+
 def head(cfg: DecoderConfig, norm: nn.Module, lm_head: nn.Linear, x: torch.Tensor, logits_index: torch.Tensor):
     """(fp32 logits, final-norm hidden states) at the ``logits_index`` positions of ``x``: the
     final norm, the LM head, then Granite's logits scaling or Gemma2's softcap in the model dtype."""
-    x = torch.gather(x, 1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    hidden = norm(x)
+    hidden = final_norm(norm, x, logits_index)
     logits = lm_head(hidden)
     if cfg.logits_scaling is not None:
         logits = logits / cfg.logits_scaling
@@ -542,6 +548,9 @@ class DecoderForExport(nn.Module):
     # export --return-hidden-states: forward also returns ``last_hidden_state`` [batch, n_logits,
     # hidden] (model dtype) right after logits, the final-norm states the head reads
     return_hidden_states: bool = False
+    # export --task embed: no LM head in the graph; forward returns ``last_hidden_state`` in the
+    # logits' place (the graph's first output), then the states
+    return_logits: bool = True
 
     def forward(self, input_ids, position_ids, logits_index, *rest):
         x = embed(self.cfg, self.model.embed_tokens, input_ids)
@@ -570,6 +579,8 @@ class DecoderForExport(nn.Module):
                            lora)
             new_states += new
 
+        if not self.return_logits:  # an embedding graph: the final norm at the chosen positions, no head
+            return (final_norm(self.model.norm, x, logits_index), *new_states)
         logits, hidden = head(self.cfg, self.model.norm, self.lm_head, x, logits_index)
         if self.return_hidden_states:  # after the final norm, as transformers' last_hidden_state
             return (logits, hidden, *new_states)

@@ -105,3 +105,19 @@ def stacked_experts(prefix: str, num_experts: int, gate: str, up: str, down: str
                    Stack(tuple(Cat((f"{prefix}.{e}.{gate}.weight", f"{prefix}.{e}.{up}.weight")) for e in range(num_experts)))))
     down_src = Alt((f"{prefix}.down_proj", Stack(tuple(f"{prefix}.{e}.{down}.weight" for e in range(num_experts)))))
     return {"gate_up_proj": gate_up, "down_proj": down_src}
+
+
+BASE_MODEL_PREFIX = "model."
+
+
+def without_base_prefix(src: Source) -> Source:
+    """``src`` with ``model.`` dropped from every tensor name: where a checkpoint saved from the
+    base model class (``Qwen3Model``: Qwen3-Embedding and other embedding checkpoints, no LM head)
+    keeps what a ``*ForCausalLM`` checkpoint stores under ``model.``."""
+    if isinstance(src, str):
+        return src.removeprefix(BASE_MODEL_PREFIX)
+    if isinstance(src, Alt):
+        return Alt(tuple(without_base_prefix(o) for o in src.options))
+    from dataclasses import replace
+
+    return replace(src, parts=tuple(without_base_prefix(p) for p in src.parts))

@@ -26,7 +26,8 @@ from graphkiln.models import checkpoint_files
 from graphkiln.models.config import DecoderConfig
 from graphkiln.models.decoder import DecoderForExport, RMSNorm
 from graphkiln.models.registry import ModelFamily
-from graphkiln.models.sources import Alt, Cat, Rows, Source, Stack, Rearranged, fused_source, names_in
+from graphkiln.models.sources import (BASE_MODEL_PREFIX, Alt, Cat, Rows, Source, Stack, Rearranged, fused_source, names_in,
+                                      without_base_prefix)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The stored types a float weight may have (F64 is converted like the others). Anything else, an
@@ -348,6 +349,10 @@ def _plan(reader: _Reader, family: ModelFamily, cfg: DecoderConfig, model: Decod
     tensor is read: all present, all float, the shapes config.json implies, and nothing left over."""
     wanted = _wanted(model, cfg)
     sources = {name: fused_source(family.source, name, cfg) for name in wanted}
+    if not any(n.startswith(BASE_MODEL_PREFIX) for n in reader.where):
+        # saved from the base model class (an embedding checkpoint): the same tensors without "model.";
+        # the prefixed layout stays the last option, so a missing tensor is named as families name it
+        sources = {name: Alt((without_base_prefix(src), src)) for name, src in sources.items()}
     missing = [reader.missing(src) for src in sources.values() if not reader.has(src)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -199,8 +199,11 @@ class DecoderGraph:
         here and live as long as this object."""
         roles = {t.role for t in spec.inputs}
         first = "input_ids" if "input_ids" in roles else "hidden_states"
-        result = "logits" if any(t.role == "logits" for t in spec.outputs) else "hidden_states"
-        required = {first, "position_ids"} | ({"logits_index"} if result == "logits" else set())
+        outs = {t.role for t in spec.outputs}
+        # logits; a stage before the last: its hidden_states; an embedding graph (manifest.EmbeddingSpec):
+        # last_hidden_state alone, returned as the result and as the hidden states
+        result = next((r for r in ("logits", "hidden_states", "last_hidden_state") if r in outs), "logits")
+        required = {first, "position_ids"} | ({"logits_index"} if result != "hidden_states" else set())
         if not required <= roles or not any(t.role == result for t in spec.outputs):
             raise GraphkilnError(f"graph '{spec.name}' lacks inputs {sorted(required - roles)} or its {result} output: "
                                  "re-export the artifact")
@@ -319,7 +322,7 @@ class DecoderGraph:
                                else slot_pool(pool, role, layer))
             feeds.update(self._lora_feeds)
             skip = {self._logits_at if tokens_only else self._next_token_at}
-            if not with_hidden:
+            if not with_hidden and self._hidden_at != self._logits_at:  # an embedding graph's are its result
                 skip.add(self._hidden_at)
             names = [name for i, name in enumerate(self.outputs) if i not in skip]
             fetched = iter(session.run(names, feeds))
