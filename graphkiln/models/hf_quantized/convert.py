@@ -15,8 +15,10 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models import checkpoint_files
 from graphkiln.models.hf_quantized.awq import AWQ
 from graphkiln.models.hf_quantized.compressed_tensors import CompressedTensors
+from graphkiln.models.hf_quantized.fp8 import FP8, float_quantized
 from graphkiln.models.hf_quantized.gptq import GPTQ
 from graphkiln.models.hf_quantized.layout import Layout
+from graphkiln.models.hf_quantized.nvfp4 import modelopt_layout
 from graphkiln.models.hf_quantized.shards import ShardWriter, Store
 from graphkiln.untrusted import show
 
@@ -25,22 +27,33 @@ from graphkiln.untrusted import show
 _SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".msgpack", ".h5",
                      ".gguf", ".npz", ".npy")
 _SKIPPED_FILES = ("config.json", "model.safetensors.index.json", "quantize_config.json", "quant_config.json",
-                  "quantization_config.json")
+                  "quantization_config.json", "hf_quant_config.json")
 _COPY_FIX = "replace it with the file itself, inside the checkpoint, or remove it"
+# What layout_for reads, for refusals
+READS = ("gptq, awq, compressed-tensors (pack-quantized int, float-quantized FP8), fp8 (block-scaled e4m3), "
+         "modelopt (NVFP4, FP8)")
 # A quantization_config nests 4 levels (compressed-tensors' config_groups.NAME.weights.KEY)
 MAX_CONFIG_DEPTH = 32
 
 
-def convert_quantized_checkpoint(src: Path, dest: Path) -> None:
-    """Convert the GPTQ / AWQ / compressed-tensors checkpoint directory ``src`` into the ordinary
-    checkpoint directory ``dest`` (see the module docstring); one ``GraphkilnError`` line when the
-    checkpoint is malformed or its layout does not map onto MatMulNBits (``dest`` removed then)."""
+def convert_quantized_checkpoint(src: Path, dest: Path, bits: int | None = None,
+                                 block_size: int | None = None) -> str | None:
+    """Convert the GPTQ / AWQ / compressed-tensors / FP8 / NVFP4 checkpoint directory ``src`` into
+    the ordinary checkpoint directory ``dest`` (see the module docstring); one ``GraphkilnError``
+    line when the checkpoint is malformed or its layout does not map onto MatMulNBits (``dest``
+    removed then). ``bits``/``block_size``: the export's ``--quant`` width and block size, for the
+    formats whose blocks are chosen on conversion (``Layout.request``). Returns the layout's
+    one-line summary (e.g. the blocks' error against the stored values), or None."""
+    from graphkiln.models.hf_quantized.nvfp4 import modelopt_config
     from graphkiln.models.weights import read_config
 
     src, dest = Path(src), Path(dest)
     raw = read_config(src)
     qc = raw.get("quantization_config")
+    if qc is None:  # ModelOpt writes its quantization into hf_quant_config.json
+        qc = modelopt_config(src)
     layout = layout_for(qc)
+    layout.request(bits, block_size)
     store = Store(src)
     try:
         modules, passthrough = layout.plan(store)
@@ -56,6 +69,7 @@ def convert_quantized_checkpoint(src: Path, dest: Path) -> None:
             raise
     finally:
         store.close()
+    return layout.summary()
 
 
 def _write(src: Path, dest: Path, raw: dict, store: "Store", layout: "Layout", modules: dict,
@@ -82,7 +96,7 @@ def _write(src: Path, dest: Path, raw: dict, store: "Store", layout: "Layout", m
             module = anchor[name]
             b = layout.blocks(store, module, modules[module])
             blocks[f"{module}.weight"] = b
-            writer.add(f"{module}.weight", _torch(b.dequantize()))
+            writer.add(f"{module}.weight", _torch(layout.weight(store, module, modules[module], b)))
         else:
             writer.add(name, store.tensor(name))
     writer.close()
@@ -122,6 +136,12 @@ def layout_for(qc) -> Layout:
     if method == "awq":
         return AWQ(qc)
     if method == "compressed-tensors":
+        if float_quantized(qc):
+            return FP8.from_compressed_tensors(qc)
         return CompressedTensors(qc)
+    if method == "fp8":
+        return FP8.from_fp8_config(qc)
+    if method == "modelopt":
+        return modelopt_layout(qc)
     raise GraphkilnError(f"quantized checkpoints (quant_method {show(method)}) are not converted by graphkiln (it "
-                         "reads gptq, awq, compressed-tensors): export the unquantized checkpoint and use --quant")
+                         f"reads {READS}): export the unquantized checkpoint and use --quant")
