@@ -22,6 +22,9 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.saf
 
 # quantization_config methods whose int4 weights convert (graphkiln.models.hf_quantized); others are refused
 CONVERTIBLE_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+# quantization_config methods exported straight from the checkpoint, unconverted (models.mxfp4: gpt-oss's
+# MXFP4 experts become onnxruntime QMoE blocks as they are written)
+DIRECT_QUANT_METHODS = ("mxfp4",)
 
 
 def gguf_file(model: str) -> Path | None:
@@ -55,6 +58,12 @@ def prepared_checkpoint(model: str, say=lambda msg: None):
             yield src
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method in DIRECT_QUANT_METHODS:
+            from graphkiln.models.mxfp4 import check_checkpoint
+
+            check_checkpoint(src)
+            yield src
+            return
         if method not in CONVERTIBLE_QUANT_METHODS:
             refuse_quantized({"quantization_config": qc})
     with tempfile.TemporaryDirectory(prefix="graphkiln-checkpoint-") as tmp:
@@ -135,9 +144,12 @@ def refuse_quantized(raw: dict) -> None:
     qc = raw.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+        if method in DIRECT_QUANT_METHODS:
+            return
         from graphkiln.untrusted import show
 
         raise GraphkilnError(
             f"quantized checkpoints (quant_method {show(method)}) are not supported (graphkiln converts "
-            f"{', '.join(CONVERTIBLE_QUANT_METHODS)} int4): export the unquantized checkpoint and use --quant"
+            f"{', '.join(CONVERTIBLE_QUANT_METHODS)} int4 and reads {', '.join(DIRECT_QUANT_METHODS)}): export the "
+            "unquantized checkpoint and use --quant"
         )
