@@ -5,7 +5,9 @@ Routing is top-k of the router's logits (its Linear has a bias) then softmax ove
 is the op's softmax-then-renormalise. The checkpoint keeps its experts as x @ W weights with gate
 and up columns alternating (``experts.gate_up_proj`` [E, H, 2I], ``gate_up_proj_bias`` [E, 2I],
 ``down_proj`` [E, I, H]): ``sources.Rearranged`` reads them into graphkiln.MoE's layout (gate rows
-then up rows, [E, 2I, H]; down [E, H, I]). Layers without ``layer_types`` alternate as transformers'
+then up rows, [E, 2I, H]; down [E, H, I]). A checkpoint in the Hub's form stores the experts as
+MXFP4 blocks instead (``models.mxfp4``: ``*_blocks``/``*_scales`` [E, out, in/32...], gate and up
+rows alternating), read directly: the export writes them as onnxruntime QMoE blocks. Layers without ``layer_types`` alternate as transformers'
 default: even layers slide, odd layers attend fully.
 """
 
@@ -17,7 +19,8 @@ from graphkiln.models.config import (LayerSpec, cfg_bool, cfg_float, cfg_int, cf
                                      num_layers, parse_dense)
 from graphkiln.models.mixtral import moe_config
 from graphkiln.models.registry import ModelFamily, register
-from graphkiln.models.sources import Rearranged
+from graphkiln.models.mxfp4 import experts_source
+from graphkiln.models.sources import Alt, Rearranged
 
 ARCH = "GptOssForCausalLM"
 
@@ -49,12 +52,13 @@ def _source(name: str, cfg):
     if part.startswith("gate."):
         return f"{prefix}.router.{part[5:]}"
     stored = f"{prefix}.{part}"
-    if part == "experts.gate_up_proj":
-        return Rearranged((stored,), interleave=2, transpose=True)
+    if part == "experts.gate_up_proj":  # MXFP4 blocks (the Hub's form, rows g0, u0, g1...) or floats
+        return Alt((experts_source(f"{stored}_blocks", f"{stored}_scales", deinterleave=True),
+                    Rearranged((stored,), interleave=2, transpose=True)))
     if part == "experts.gate_up_proj_bias":
         return Rearranged((stored,), interleave=2)
     if part == "experts.down_proj":
-        return Rearranged((stored,), transpose=True)
+        return Alt((experts_source(f"{stored}_blocks", f"{stored}_scales"), Rearranged((stored,), transpose=True)))
     return stored
 
 
