@@ -20,8 +20,8 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.saf
                 "tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"]
 
 
-# quantization_config methods whose int4 weights convert (graphkiln.models.hf_quantized); others are refused
-CONVERTIBLE_QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+# quantization_config methods whose weights convert (graphkiln.models.hf_quantized); others are refused
+CONVERTIBLE_QUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "modelopt")
 # quantization_config methods exported straight from the checkpoint, unconverted (models.mxfp4: gpt-oss's
 # MXFP4 experts become onnxruntime QMoE blocks as they are written)
 DIRECT_QUANT_METHODS = ("mxfp4",)
@@ -44,16 +44,21 @@ def gguf_file(model: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def prepared_checkpoint(model: str, say=lambda msg: None):
+def prepared_checkpoint(model: str, say=lambda msg: None, bits: int | None = None, block_size: int | None = None):
     """Yield the local checkpoint directory for MODEL, converting a quantized format first (see the
-    module docstring); the converted directory is removed when the block ends."""
+    module docstring); the converted directory is removed when the block ends. ``bits`` and
+    ``block_size`` (the export's ``--quant`` width and block size, None when not given) choose the
+    blocks of formats that are not integer blocks themselves (FP8, NVFP4)."""
     gguf = gguf_file(model)
     src = None if gguf is not None else resolve_checkpoint(model)
     method = None
     if src is not None:
+        from graphkiln.models.hf_quantized.nvfp4 import modelopt_config
         from graphkiln.models.weights import read_config
 
         qc = read_config(src).get("quantization_config")
+        if qc is None:
+            qc = modelopt_config(src)  # ModelOpt writes its quantization into hf_quant_config.json
         if qc is None:
             yield src
             return
@@ -77,7 +82,9 @@ def prepared_checkpoint(model: str, say=lambda msg: None):
             from graphkiln.models.hf_quantized import convert_quantized_checkpoint
 
             say(f"      converting the {method} checkpoint {src} (dequantized weights, blocks kept)")
-            convert_quantized_checkpoint(src, dest)
+            summary = convert_quantized_checkpoint(src, dest, bits, block_size)
+            if summary:
+                say(f"      {summary}")
         yield dest
 
 
@@ -146,10 +153,11 @@ def refuse_quantized(raw: dict) -> None:
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
         if method in DIRECT_QUANT_METHODS:
             return
+        from graphkiln.models.hf_quantized.convert import READS
         from graphkiln.untrusted import show
 
         raise GraphkilnError(
             f"quantized checkpoints (quant_method {show(method)}) are not supported (graphkiln converts "
-            f"{', '.join(CONVERTIBLE_QUANT_METHODS)} int4 and reads {', '.join(DIRECT_QUANT_METHODS)}): export the "
+            f"{READS} and reads {', '.join(DIRECT_QUANT_METHODS)}): export the "
             "unquantized checkpoint and use --quant"
         )
