@@ -18,6 +18,7 @@ from graphkiln.runtime.backends import check_choice, open_backend
 from graphkiln.runtime.backends.ort_cpu import numpy_dtype
 from graphkiln.runtime.backends.state import PAD_ID
 from graphkiln.runtime.backends.vision import DEFAULT_CACHE_BYTES, VisionEncoder
+from graphkiln.runtime.embed import refuse_generation
 from graphkiln.runtime.request.prefix import DEFAULT_BLOCK_SIZE, open_prefix_cache
 from graphkiln.runtime.request.prepare import Prepared, Preparer, Prompt, takes
 from graphkiln.runtime.request.request_state import NonFiniteLogitsError  # noqa: F401  (raised by generate/stream: importable here)
@@ -238,6 +239,7 @@ class Engine:
         """Generate for one prompt or a batch; ``images``: per prompt a list of images or None
         (for a single prompt, its list of images or one image). ``prompt_ids`` of each result are
         the ids the model saw (image tokens expanded)."""
+        refuse_generation(self.manifest, "generate")
         reqs: list[RequestState] = []
         for _ in self._run(self._as_batch(prompts), config, reqs, images, _is_single(prompts)):
             pass
@@ -250,6 +252,7 @@ class Engine:
 
         From its first item until it is exhausted, closed or garbage-collected the stream holds
         the engine (see the class docstring): close an abandoned stream before the next call."""
+        refuse_generation(self.manifest, "stream")
         return self._run(self._as_batch(prompts), config, [], images, _is_single(prompts))
 
     @staticmethod
@@ -266,6 +269,7 @@ class Engine:
         (``images`` per prompt as for ``generate``; len_i counts the expanded image tokens).
 
         Raw logits: NaN/Inf are returned as they are (``graphkiln verify`` reports them)."""
+        refuse_generation(self.manifest, "prompt_logits")
         with self._exclusive():
             prompts = list(prompt_ids)
             if not prompts:
@@ -289,20 +293,45 @@ class Engine:
         prefill (prompts as for ``generate``: text or token ids; ``images`` likewise). Needs an
         artifact exported with ``--return-hidden-states``. Logits are computed at every position
         too (the graph gives hidden states where it gives logits)."""
-        return self._prompt_pass(prompts, images, hidden=True, last_only=False, what="prompt_hidden_states")
+        return self._prompt_pass(prompts, images, what="prompt_hidden_states")
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], images=None) -> np.ndarray:
-        """Each prompt's last-token final-norm hidden state, [n, hidden] in the model dtype (the
-        pooling of decoder embedding models, which put their end-of-text token last), from one
-        batched prefill that computes only those rows. ``--return-hidden-states`` artifacts."""
-        return np.stack(self._prompt_pass(prompts, images, hidden=True, last_only=True, what="embed"))
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None, *, images=None) -> np.ndarray:
+        """One vector per prompt (text or token ids; one prompt gives [1, d]), [n, d] float32, pooled
+        from the final-norm hidden states (``runtime.embed``): ``pooling`` "last" or "mean",
+        ``normalize`` to unit length, ``dimensions`` the first d values (Matryoshka truncation, then
+        normalised when ``normalize``). Defaults: the artifact's (``export --task embed``); a
+        ``--return-hidden-states`` artifact's are "last", not normalised (its raw last-token row).
+        Batched prefills in fresh slots, released after; nothing is sampled."""
+        return self.embed_with_usage(prompts, pooling, normalize, dimensions, images=images).vectors
 
-    def _prompt_pass(self, prompts, images, *, hidden: bool, last_only: bool, what: str) -> list[np.ndarray]:
-        """One prefill of ``prompts`` in fresh slots, released after; per prompt its logits or (``hidden``)
-        hidden states at every position, or (``last_only``) at its last one ([1, ...])."""
+    def embed_with_usage(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
+                         normalize: bool | None = None, dimensions: int | None = None, *, images=None):
+        """``embed``'s vectors and each prompt's token count (``runtime.embed.EmbeddingResult``)."""
+        from graphkiln.runtime.embed import MAX_BATCH, MAX_TOKENS, EmbeddingResult, batches, embed_settings, run_batch
+
+        settings = embed_settings(self.manifest, pooling, normalize, dimensions)
         with self._exclusive():
-            if hidden:
-                self.prep.check_hidden_states(what)
+            self.prep.check_hidden_states("embed")
+            batch = self._as_batch(prompts)
+            if not batch:
+                raise GraphkilnError("embed needs at least one prompt")
+            reqs = _passes(self.prep.prepare(batch, images, single=_is_single(prompts)))
+            self.prep.encode_images(reqs)
+            lengths = [len(r.prompt_ids) for r in reqs]
+            groups = batches(lengths, MAX_BATCH, MAX_TOKENS)
+            self.pool.reserve(max(map(len, groups)), max(lengths))
+            vectors: list = [None] * len(reqs)
+            for group in groups:
+                for i, v in zip(group, run_batch(self, [reqs[i] for i in group], settings)):
+                    vectors[i] = v
+            return EmbeddingResult(np.stack(vectors), lengths)
+
+    def _prompt_pass(self, prompts, images, *, what: str) -> list[np.ndarray]:
+        """One prefill of ``prompts`` in fresh slots, released after; per prompt its final-norm
+        hidden states at every position."""
+        with self._exclusive():
+            self.prep.check_hidden_states(what)
             batch = self._as_batch(prompts)
             if not batch:
                 raise GraphkilnError(f"{what} needs at least one prompt")
@@ -310,19 +339,16 @@ class Engine:
             self.prep.encode_images(reqs)
             ids = [r.prompt_ids for r in reqs]
             longest = max(map(len, ids))
-            index = (np.array([[len(p) - 1] for p in ids]) if last_only
-                     else np.minimum(np.arange(longest), np.array([len(p) - 1 for p in ids])[:, None]))
+            index = np.minimum(np.arange(longest), np.array([len(p) - 1 for p in ids])[:, None])
             self.pool.reserve(len(ids), longest)
             slots = [self.pool.claim() for _ in ids]
             try:
-                out = self._prefill(reqs, index, with_hidden=hidden)
+                _, out = self._prefill(reqs, index, with_hidden=True)
             finally:
                 for slot in reversed(slots):
                     self.pool.release(slot)
-            if hidden:
-                out = out[1]
             # the graph reuses its output buffers: copied
-            return [out[b, 0].copy() if last_only else out[b, : len(p)].copy() for b, p in enumerate(ids)]
+            return [out[b, : len(p)].copy() for b, p in enumerate(ids)]
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -334,10 +360,11 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _prefill(self, reqs: list[RequestState], logits_index: np.ndarray, with_hidden: bool = False):
-        """One prefill of ``reqs`` (request b in batch row b), each request's image rows replacing
-        the embeddings at its image positions (flat token row ``b * seq + position``); the runner's
-        logits, or with ``with_hidden`` (logits, hidden states)."""
+    def _prefill(self, reqs: list[RequestState], logits_index: np.ndarray, with_hidden: bool = False,
+                 first_slot: int = 0):
+        """One prefill of ``reqs`` (request b in batch row b, slot ``first_slot + b``), each request's
+        image rows replacing the embeddings at its image positions (flat token row ``b * seq + position``);
+        the runner's logits, or with ``with_hidden`` (logits, hidden states)."""
         ids = [r.prompt_ids for r in reqs]
         n, longest = len(ids), max(map(len, ids))
         input_ids = np.full((n, longest), PAD_ID, np.int64)
@@ -349,6 +376,8 @@ class Engine:
         kwargs = {"extra": extra} if extra else {}
         if with_hidden:  # only then: runners without hidden states have no such keyword
             kwargs["with_hidden"] = True
+        if first_slot:  # likewise: the runners that cannot run a sub-range of slots have none
+            kwargs["first_slot"] = first_slot
         with_images = [(b, r) for b, r in enumerate(reqs) if r.image_rows is not None]
         if not with_images:
             return self.decoder.run(self.pool, input_ids, positions, logits_index.astype(np.int64), lengths, **kwargs)
