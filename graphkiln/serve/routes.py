@@ -94,18 +94,13 @@ RESPONSES = {
                503: {"model": S.Health, "description": "shutting down"}},
 }
 
-_BODIES = {"/v1/completions": S.CompletionRequest, "/v1/chat/completions": S.ChatCompletionRequest,
-           "/tokenize": S.TokenizeRequest, "/detokenize": S.DetokenizeRequest,
-           "/v1/load_lora_adapter": S.LoadLoraAdapterRequest, "/v1/unload_lora_adapter": S.UnloadLoraAdapterRequest}
-_TEXT_OK = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # 200: text/plain only
-_CHUNKS = (S.Completion, S.ChatCompletionChunk, S.ErrorBody)  # referenced by the streams' events
-
-
 def _ref(model: type) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def openapi_document(app, model_names: tuple[str, ...], api_key: bool) -> dict[str, Any]:
+def openapi_document(app, model_names: tuple[str, ...], api_key: bool, families) -> dict[str, Any]:
+    """``app``'s document; ``families`` (``state.RouteFamily``) name the request bodies their routes
+    parse, the models of their streams' events and their text-only 200s."""
     from fastapi.openapi.utils import get_openapi
 
     from graphkiln import __version__
@@ -113,13 +108,15 @@ def openapi_document(app, model_names: tuple[str, ...], api_key: bool) -> dict[s
     doc = get_openapi(title=app.title, version=__version__, routes=app.routes,
                       description="OpenAI-compatible completions over a graphkiln artifact")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for model in _CHUNKS:
+    bodies = {path: model for f in families for path, model in f.bodies.items()}
+    streamed = dict.fromkeys([m for f in families for m in f.streamed] + [S.ErrorBody])
+    for model in streamed:
         if model.__name__ not in schemas:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
             for name, sub in schema.pop("$defs", {}).items():
                 schemas.setdefault(name, sub)
             schemas[model.__name__] = schema
-    for path, model in _BODIES.items():
+    for path, model in bodies.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         if "model" in schema["properties"]:
@@ -130,7 +127,7 @@ def openapi_document(app, model_names: tuple[str, ...], api_key: bool) -> dict[s
         schemas[model.__name__] = schema
         doc["paths"][path]["post"]["requestBody"] = {"required": True,
                                                      "content": {"application/json": {"schema": _ref(model)}}}
-    for path in _TEXT_OK:
+    for path in (p for f in families for p in f.text_ok):
         doc["paths"][path]["post"]["responses"]["200"]["content"].pop("application/json", None)
     for path, ops in doc["paths"].items():
         for op in ops.values():
