@@ -116,6 +116,7 @@ class _Quantized:
     n: int
     bits: int
     block_size: int
+    rows: bool = False  # B stored 2-D [N, k_blocks * blob] (a table only gathered: no MatMulNBits reads it)
 
 
 def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int = 32,
@@ -156,10 +157,12 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
     drop_nodes: set[int] = set()  # indices of folded bias Adds
     candidates: set[str] = set()
 
-    def write(weight: str, init: TensorProto, stored_nk: bool, make_blocks) -> _Quantized:
+    def write(weight: str, init: TensorProto, stored_nk: bool, make_blocks, rows: bool = False) -> _Quantized:
         """Declare a weight's MatMulNBits tensors (B [N, k_blocks, blob], scales, zero points); with
         ``base_dir`` they are deferred (``external_data.defer``): the blocks are made by
-        ``make_blocks()`` when the data file is written, one weight at a time."""
+        ``make_blocks()`` when the data file is written, one weight at a time. ``rows``: B is
+        declared ``[N, k_blocks * blob]`` (the same bytes), the shape GatherBlockQuantized reads, for
+        a table that only a Gather reads (``_gather_block_quantized`` says why)."""
         nonlocal float_bytes, quant_bytes
         dims = tuple(init.dims)
         n, k = dims if stored_nk else dims[::-1]
@@ -168,9 +171,10 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         w_bits, w_block = (given.bits, given.block_size) if given is not None else (bits, block_size)
         k_blocks = (k + w_block - 1) // w_block
         mid = 1 << (w_bits - 1)
-        has_zp = (not bool((given.zero_points == mid).all())) if given is not None else not symmetric
+        has_zp = (not given.centered) if given is not None else not symmetric
         dtype = _FLOAT_TYPES[init.data_type]
-        shapes = [(n, k_blocks, w_block * w_bits // 8), (n, k_blocks)]
+        blob = w_block * w_bits // 8
+        shapes = [(n, k_blocks * blob) if rows else (n, k_blocks, blob), (n, k_blocks)]
         kinds = [np.uint8, dtype]
         if has_zp:
             shapes.append((n, (k_blocks * w_bits + 7) // 8))
@@ -178,7 +182,7 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
         stem = weight.replace("/", "_")
         tags = [f"q{w_bits}", "scales", "zero_points"][:len(shapes)]
         tensor_names = [names.fresh(f"{stem}.{tag}") for tag in tags]
-        packer = _Packer(make_blocks, dtype, has_zp, w_bits)
+        packer = _Packer(make_blocks, dtype, has_zp, w_bits, rows)
         for i, (name, shape, kind) in enumerate(zip(tensor_names, shapes, kinds)):
             if base_dir is not None:
                 tensor = graph.initializer.add()
@@ -191,14 +195,14 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
             quant_bytes += int(np.prod(shape)) * np.dtype(kind).itemsize
         float_bytes += k * n * np.dtype(dtype).itemsize
         candidates.add(weight)
-        return _Quantized(tensor_names[0], tensor_names[1], tensor_names[2] if has_zp else "", k, n, w_bits, w_block)
+        return _Quantized(tensor_names[0], tensor_names[1], tensor_names[2] if has_zp else "", k, n, w_bits, w_block, rows)
 
     def blocks_of(weight: str, init: TensorProto, stored_nk: bool, how: str, feature_weights=None):
         """A thunk making the weight's blocks: the checkpoint's own, or quantized from its [N, K]
         floats (a streamed weight's parameter rows, read a band at a time; else the initializer)."""
         param = weight.removesuffix(".T")
         if param in provided:
-            return lambda: provided[param]
+            return lambda: provided[param].load()  # stored blocks are made when written
 
         def make():
             producer = deferred_producer(init, base_dir) if base_dir is not None else None
@@ -243,7 +247,8 @@ def quantize_linear_weights(model: onnx.ModelProto, bits: int, block_size: int =
             init = inits[table]
             if (table, True) not in quantized:  # not a tied head's table: quantized for the Gather alone
                 # (no importance: an embedding row's error goes into the residual stream as it is)
-                quantized[table, True] = write(table, init, True, blocks_of(table, init, True, "rtn" if method == "rtn" else "search"))
+                quantized[table, True] = write(table, init, True, blocks_of(table, init, True, "rtn" if method == "rtn" else "search"),
+                                               rows=True)
             replace[idx] = _gather_block_quantized(node, quantized[table, True], graph, names)
             embedding_nodes += 1
 
@@ -275,15 +280,23 @@ def _gather_block_quantized(node, qw: _Quantized, graph, names) -> list[onnx.Nod
     """``Gather(table, ids)`` -> GatherBlockQuantized over the table's MatMulNBits tensors ``qw``.
 
     The op takes 2-D data ``[V, k_blocks * blob]`` with the blocks on axis 1 and MatMulNBits'
-    own scales and packed zero points, so B ``[V, k_blocks, blob]`` is reshaped in the graph
-    (onnxruntime-genai's arrangement): every tensor is stored once, shared with the head's
-    MatMulNBits when tied. A K that is not a multiple of the block is sliced back.
+    own scales and packed zero points. A table only gathered (untied) stores B in that shape
+    (``qw.rows``) and is read as it is. A tied table's B is the head's ``[V, k_blocks, blob]``
+    (MatMulNBits refuses any other shape), reshaped in the graph (onnxruntime-genai's
+    arrangement): every tensor is stored once. onnxruntime folds that Reshape of an initializer
+    into a new one at load, a copy of the blocks in its own memory (measured: 251 MiB of anonymous
+    memory for a Llama-3.1-8B-sized table, none when B is stored 2-D), so an untied table never
+    goes through one. A K that is not a multiple of the block is sliced back.
     """
     stem = node.input[0].replace("/", "_")
-    shape = names.fresh(f"{stem}.rows_shape")
-    _add_initializer(graph, shape, np.array([qw.n, -1], np.int64))
-    rows = names.fresh(f"{qw.q}.rows")
-    out = [helper.make_node("Reshape", [qw.q, shape], [rows], name=names.fresh(f"{stem}/Reshape"))]
+    out = []
+    if qw.rows:
+        rows = qw.q
+    else:
+        shape = names.fresh(f"{stem}.rows_shape")
+        _add_initializer(graph, shape, np.array([qw.n, -1], np.int64))
+        rows = names.fresh(f"{qw.q}.rows")
+        out.append(helper.make_node("Reshape", [qw.q, shape], [rows], name=names.fresh(f"{stem}/Reshape")))
     inputs = [rows, node.input[1], qw.scales] + ([qw.zero_points] if qw.zero_points else [])
     padded = qw.k % qw.block_size != 0
     gathered = names.fresh(f"{node.output[0]}.padded") if padded else node.output[0]
@@ -433,14 +446,16 @@ class _Packer:
     time (``part``): the deferred producers of B, scales and zero points share one computation, kept
     only until every part has been taken."""
 
-    def __init__(self, make_blocks, dtype, zero_points: bool, bits: int) -> None:
-        self.make, self.dtype, self.zero_points, self.bits = make_blocks, dtype, zero_points, bits
+    def __init__(self, make_blocks, dtype, zero_points: bool, bits: int, rows: bool = False) -> None:
+        self.make, self.dtype, self.zero_points, self.bits, self.rows = make_blocks, dtype, zero_points, bits, rows
         self.parts: dict[int, np.ndarray] = {}
 
     def part(self, i: int) -> np.ndarray:
         if i not in self.parts:
             blocks = self.make()
             q, scales, zp = pack_blocks(blocks, self.dtype)
+            if self.rows:  # GatherBlockQuantized's 2-D data: the same bytes, no copy
+                q = q.reshape(q.shape[0], -1)
             if self.zero_points and zp is None:  # declared, but every block happens to sit at the midpoint
                 zp = _pack_zero_points(blocks.zero_points, blocks.bits)
             self.parts = {0: q, 1: scales} | ({2: zp} if self.zero_points else {})
