@@ -51,6 +51,11 @@ class GenerationConfig:
     json_schema: dict | str | bool | None = None
     regex: str | None = None
     grammar: str | None = None
+    # where the constraint starts (None: at the first generated token): Lark text (llguidance's
+    # dialect) whose ``start`` rule places ``@constraint``, the constraint above, after free text of
+    # its own, e.g. a reasoning model's thinking up to ``</think>`` (runtime.reasoning writes these
+    # frames: the constraint applies to the answer, not to the thinking). Only with a constraint.
+    constraint_frame: str | None = None
     # speculative decoding (runtime.request.speculate): "ngram[:K]" (K prompt-lookup drafts verified
     # per step, default 4), "draft[:K]" (a draft model's: Engine.load(..., draft=DIR)) or None/"off".
     # Greedy output is identical to plain decoding, sampled output has its distribution; requests
@@ -79,6 +84,10 @@ class GenerationConfig:
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 raise GraphkilnError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.constraint_frame is not None and (not constraints or not isinstance(self.constraint_frame, str)
+                                                  or "@constraint" not in self.constraint_frame):
+            raise GraphkilnError("constraint_frame must be Lark text placing @constraint, with one of json_schema, "
+                                 f"regex, grammar set; got {self.constraint_frame!r:.80}")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str, bool)):
             raise GraphkilnError(f"json_schema must be a dict or its JSON text, got {type(self.json_schema).__name__}")
         if self.speculative is not None:

@@ -61,6 +61,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # characters of a constraint's text (a schema as compact JSON): far above real schemas and grammars
 # (OpenAI caps a schema's names and values at 120,000 characters), and what COMPILE_STACK is sized for
 MAX_CHARS = {"json_schema": 128 << 10, "regex": 64 << 10, "grammar": 64 << 10}
+MAX_FRAME_CHARS = 4096  # a constraint_frame: a few rules the server writes, never a user's text
 COMPILE_STACK = 256 << 20  # the compiler thread's stack (see the module docstring)
 
 
@@ -157,14 +158,18 @@ class Grammars:
                                  f"is more than the {MAX_CHARS[field]:,} a constraint may have: simplify the {_WHAT[field]}")
         return value
 
-    def compile(self, field: str, value) -> "Grammar":
+    def compile(self, field: str, value, frame: str | None = None) -> "Grammar":
         """The grammar for one constraint (``text``'s bounds first, then built on the compiler
-        thread); a GraphkilnError line for one it cannot compile."""
+        thread); a GraphkilnError line for one it cannot compile. ``frame``: Lark text whose
+        ``start`` places the constraint as ``@constraint`` (GenerationConfig.constraint_frame)."""
         text = self.text(field, value)
+        if frame is not None and len(frame) > MAX_FRAME_CHARS:
+            raise GraphkilnError(f"constraint_frame: {len(frame):,} characters is more than {MAX_FRAME_CHARS:,}: "
+                                 "a frame is a few rules around @constraint")
         tokenizer = self.tokenizer()
-        return _compiler().submit(self._build, field, text, tokenizer).result()
+        return _compiler().submit(self._build, field, text, tokenizer, frame).result()
 
-    def _build(self, field: str, text: str, tokenizer) -> "Grammar":
+    def _build(self, field: str, text: str, tokenizer, frame: str | None = None) -> "Grammar":
         from llguidance import LLMatcher
 
         try:
@@ -178,6 +183,8 @@ class Grammars:
                 grammar = LLMatcher.grammar_from_lark(text)
         except (ValueError, TypeError, RecursionError) as exc:
             raise GraphkilnError(f"{field}: {_line(exc)}: pass a valid {_WHAT[field]}") from None
+        if frame is not None:
+            grammar = _framed(frame, grammar)
         matcher = LLMatcher(tokenizer, grammar, log_level=0)  # builds and checks it: an error is a state
         if matcher.is_error():
             raise GraphkilnError(f"{field}: {_line(matcher.get_error())}: pass a valid {_WHAT[field]}")
@@ -206,6 +213,16 @@ class Grammars:
         c = Constraint(self, grammar)
         c.start()
         return c
+
+
+def _framed(frame: str, grammar: str) -> str:
+    """llguidance's top-level grammar of ``frame`` (Lark, first: its ``start`` is the whole output's)
+    with the constraint's own grammar beside it, named ``constraint`` (what ``@constraint`` refers
+    to: a nested grammar with its own lexer, so its rule names never meet the frame's). The
+    constraint's grammar is llguidance's JSON (schema, regex) or, from a Lark grammar, its text."""
+    inner = json.loads(grammar)["grammars"][0] if grammar.lstrip().startswith("{") else {"lark_grammar": grammar}
+    inner = dict(inner, name="constraint")
+    return json.dumps({"grammars": [{"lark_grammar": frame}, inner]})
 
 
 class GrammarFailed(GraphkilnError):

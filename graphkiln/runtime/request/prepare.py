@@ -294,13 +294,14 @@ class Preparer:
         if found is None:
             return None
         field, value = found
-        key = (field, self.grammars.text(field, value))  # bounded, and a schema's key order kept (it is the output's)
+        # bounded, and a schema's key order kept (it is the output's)
+        key = (field, self.grammars.text(field, value), cfg.constraint_frame)
         grammar = self._compiled.get(key)
         if grammar is None:
             if self.tokenizer is None:
                 raise GraphkilnError(f"{field}: structured output needs the artifact's tokenizer.json, and this "
                                      "artifact has none")
-            grammar = self.grammars.compile(field, value)
+            grammar = self.grammars.compile(field, value, cfg.constraint_frame)
             if len(self._compiled) >= 64:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[key] = grammar
