@@ -24,6 +24,7 @@ its stepping thread between generation steps, in the slots no request holds, at 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -129,3 +130,70 @@ def run_batch(engine: "Engine", reqs: list, settings: EmbedSettings) -> list[np.
     finally:
         for slot in reversed(slots):
             pool.release(slot)
+
+
+class EmbedJob:
+    """One ``Scheduler.embed`` call: its inputs (prepared, checked), run a batch at a time by the
+    stepping thread (``step``), and its outcome for the submitter (``result`` / ``aresult``)."""
+
+    def __init__(self, reqs: list, settings: EmbedSettings) -> None:
+        self.reqs, self.settings = reqs, settings
+        self.lengths = [len(r.prompt_ids) for r in reqs]
+        self.todo = sorted(range(len(reqs)), key=lambda i: -self.lengths[i])  # longest first: less padding
+        self.vectors: list = [None] * len(reqs)
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list = []  # (event loop, future) of aresult callers
+
+    def step(self, engine: "Engine", free_slots: int, max_tokens: int) -> bool:
+        """Run the next batch (at most ``free_slots`` inputs and ``max_tokens`` padded tokens, at
+        least one input) in the stepping thread; True once every input is done or the job failed."""
+        width = self.lengths[self.todo[0]]
+        n = max(1, min(free_slots, max_tokens // width, len(self.todo)))
+        group, self.todo = self.todo[:n], self.todo[n:]
+        try:
+            for i, v in zip(group, run_batch(engine, [self.reqs[i] for i in group], self.settings)):
+                self.vectors[i] = v
+        except Exception as exc:  # the runner failed: this job fails alone
+            self.fail(exc if isinstance(exc, GraphkilnError) else GraphkilnError(
+                f"the decoder failed embedding ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}): "
+                "if this repeats, re-export the artifact"))
+            return True
+        if not self.todo:
+            self._finish()
+            return True
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    def result(self, timeout: float | None = None) -> EmbeddingResult:
+        """The vectors once every input ran (GraphkilnError: it failed; TimeoutError: not yet)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the embeddings are not done yet")
+        if self.error is not None:
+            raise self.error
+        return EmbeddingResult(np.stack(self.vectors), self.lengths)
+
+    async def aresult(self) -> EmbeddingResult:
+        """``result`` awaited without a thread (the server's route)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if not self._done.is_set():
+                self._waiters.append((loop, fut))
+            else:
+                fut.set_result(None)
+        await fut
+        return self.result(0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.runtime.embed import refuse_generation
 from graphkiln.runtime.request.commit import finish_cancelled
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState, make_request, result_of  # noqa: F401
 from graphkiln.runtime.request.prefix import PrefixStats
@@ -253,6 +254,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiting = FairQueue()
+        self._embeds: deque = deque()  # runtime.embed.EmbedJob: embedding calls, a batch run per loop turn
         self._next_id = 0
         self._stopping = False  # no more submits (shutdown began, or the stepping thread ended)
         self._shut = False  # shutdown was called (the engine is released once)
@@ -305,6 +307,7 @@ class Scheduler:
         with self._lock:
             self._check_open()
         engine = self.engine
+        refuse_generation(engine.manifest, "generate")
         cfg, params = engine.prep.resolve(config)
         [prepared] = engine.prep.prepare([prompt], images, single=True)
         with self._lock:
@@ -329,6 +332,53 @@ class Scheduler:
             self._waiting.append(r, group if group is not None else object())
             self._cond.notify_all()
         return handle
+
+    def embed(self, prompts, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None):
+        """Queue an embedding call (a list of prompts: text or token ids) and return its
+        ``runtime.embed.EmbedJob`` (``result()`` / ``await aresult()``). Checked here, synchronously
+        (GraphkilnError, one line). The stepping thread runs it between generation steps, one batch
+        per turn in the slots no request holds, at most ``step_tokens`` padded tokens a batch (an
+        input longer than that alone); nothing is kept after. QueueFull / ShuttingDown as ``submit``."""
+        from graphkiln.runtime.embed import EmbedJob, embed_settings
+        from graphkiln.runtime.request.request_state import RequestState
+
+        with self._lock:
+            self._check_open()
+        engine = self.engine
+        settings = embed_settings(engine.manifest, pooling, normalize, dimensions)
+        engine.prep.check_hidden_states("embed")
+        prompts = list(prompts)
+        if not prompts:
+            raise GraphkilnError("embed needs at least one prompt")
+        reqs = [RequestState(i, p.ids, 0, None, images=p.images, image_positions=p.image_positions, layout=p.layout)
+                for i, p in enumerate(engine.prep.prepare(prompts, None, single=False))]
+        job = EmbedJob(reqs, settings)
+        with self._lock:
+            self._check_open()
+            if len(self._waiting) + len(self._embeds) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting): retry later")
+            self._embeds.append(job)
+            self._cond.notify_all()
+        return job
+
+    def _embed_turn(self) -> None:
+        """One batch of the first embedding call waiting, in the slots no request holds (none free:
+        it waits for a request to end). Stepping thread only."""
+        with self._lock:
+            job = self._embeds[0] if self._embeds else None
+        pool = self.engine.pool
+        if job is None or pool.live >= pool.slots:
+            return
+        if job.step(self.engine, pool.slots - pool.live, self.step_tokens):
+            with self._lock:
+                self._embeds.popleft()
+
+    def _fail_embeds(self, error: BaseException) -> None:
+        with self._lock:
+            jobs, self._embeds = list(self._embeds), deque()
+        for job in jobs:
+            job.fail(error)
 
     def _check_open(self) -> None:
         if self._stopping:
@@ -359,6 +409,7 @@ class Scheduler:
             thread.join()
         elif first:
             self._cancel_all_queued()
+            self._fail_embeds(ShuttingDown("the server shut down before the embeddings were done: retry"))
         if first:
             self.engine.unhold()
 
@@ -382,12 +433,15 @@ class Scheduler:
         try:
             while True:
                 with self._lock:
-                    while not (self._waiting or b.rows) and not self._stopping:
+                    while not (self._waiting or b.rows or self._embeds) and not self._stopping:
                         self._cond.wait()
                     if self._stopping and self._deadline is not None and time.monotonic() >= self._deadline:
                         for r in list(self._waiting) + b.rows:
                             r.cancel_requested = True
-                    if self._stopping and not (self._waiting or b.rows):
+                        cancel_embeds = bool(self._embeds)
+                    else:
+                        cancel_embeds = False
+                    if self._stopping and not (self._waiting or b.rows or self._embeds):
                         return
                     plan = b.plan(self._waiting)
                 for r in plan.cancelled:
@@ -409,7 +463,11 @@ class Scheduler:
                     b.retire()
                 for r in stepped:
                     self._hand_over(r)
+                if cancel_embeds:
+                    self._fail_embeds(ShuttingDown("the server shut down before the embeddings were done: retry"))
+                self._embed_turn()  # runtime.embed: one batch between steps
         finally:
+            self._fail_embeds(ShuttingDown("the server shut down before the embeddings were done: retry"))
             with self._lock:
                 self._stopping = True  # also after a bug ended the loop: submit must not queue for no one
                 rest = list(self._waiting) + list(b.rows)
