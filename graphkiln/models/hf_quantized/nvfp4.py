@@ -159,7 +159,8 @@ class NVFP4(Layout):
         packed = store.tensor(parts["weight"]).numpy()
         block_scales = read_positive_scales(store, parts["weight_scale"], "NVFP4")
         s2 = read_positive_scales(store, parts["weight_scale_2"], "NVFP4").reshape(())
-        scale = (block_scales * s2).astype(np.float32)  # [N, K/16]: the float32 product, as dequantizers take it
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            scale = (block_scales * s2).astype(np.float32)  # [N, K/16]: the float32 product, as dequantizers take it
         if not np.isfinite(scale).all():
             raise GraphkilnError(f"checkpoint tensors {show(parts['weight_scale'])} times {show(parts['weight_scale_2'])} "
                                  "overflow float32: the scales are out of range; the checkpoint is corrupt")
