@@ -9,6 +9,7 @@ there:
     completions.py  POST /v1/completions
     chat.py         POST /v1/chat/completions
     tokenize.py     GET /tokenizer_info, POST /tokenize, /detokenize (vLLM's)
+    embeddings.py   POST /v1/embeddings
 
 and the shared machinery: ``state`` (AppOptions, ServerState), ``errors`` (ApiError),
 ``body`` (reading and parsing a body, validation errors as 400s), ``request_config`` (a
@@ -50,7 +51,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphkiln.serve import admin, chat, completions, info, tokenize
+from graphkiln.serve import admin, chat, completions, embeddings, info, tokenize
 from graphkiln.serve import routes as R
 from graphkiln.serve.errors import ApiError
 from graphkiln.serve.state import DEFAULT_MAX_BODY_BYTES, AppOptions, RouteFamily, ServerState
@@ -60,7 +61,8 @@ __all__ = ["AppOptions", "DEFAULT_MAX_BODY_BYTES", "FAMILIES", "ServerState", "c
 log = logging.getLogger("graphkiln.serve")
 
 # the route families, in the order their routes are listed (and documented)
-FAMILIES: tuple[RouteFamily, ...] = (info.FAMILY, admin.FAMILY, completions.FAMILY, chat.FAMILY, tokenize.FAMILY)
+FAMILIES: tuple[RouteFamily, ...] = (info.FAMILY, admin.FAMILY, completions.FAMILY, chat.FAMILY, tokenize.FAMILY,
+                                     embeddings.FAMILY)
 
 
 def create_app(scheduler, engine, options: AppOptions) -> FastAPI:
