@@ -21,11 +21,18 @@ tensors, wrong dtypes, out-of-range ``g_idx``, non-finite scales are one ``Graph
 naming the tensor. Only safetensors are read (never a pickle), and nothing is written outside
 ``dest``.
 
+FP8 (``fp8``: ``quant_method: fp8`` block-scaled e4m3, compressed-tensors ``float-quantized``,
+ModelOpt FP8) and NVFP4 (``nvfp4``: ModelOpt, also read from ``hf_quant_config.json``) store float
+values, not integer blocks: their layouts choose integer blocks on conversion (``Layout.request``:
+the export's ``--quant`` width, int8 by default), exact where a block's values allow (NVFP4 into
+int8 always), else the nearest (``Layout.summary`` reports the error), and keep the stored values
+themselves as the float weight (``Layout.weight``).
+
 Modules: ``convert`` (the entry point: plan, check every header, write), ``shards`` (the source's
 safetensors read one tensor at a time; the converted shards written), ``layout`` (what every
 format shares: the ``Layout`` base, the readers of quantization_config values, unpacking int32
 words), ``patterns`` (module-name patterns quantization_config gives), ``gptq``, ``awq``,
-``compressed_tensors`` (one format each).
+``compressed_tensors``, ``fp8``, ``nvfp4`` (one format each).
 """
 
 from graphkiln.models.hf_quantized.convert import convert_quantized_checkpoint, layout_for
