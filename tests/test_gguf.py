@@ -200,16 +200,20 @@ def exported(tiny_gguf, tmp_path_factory):
 # --------------------------------------------------------------------------- the conversion
 
 
+def converted(gguf_path: Path, dest: Path):
+    """(every float tensor as the converted checkpoint reads it, every tensor's blocks loaded)."""
+    from graphkiln.models.gguf import convert_gguf
+
+    derived = convert_gguf(gguf_path, dest)
+    return ({n: derived.read(n) for n in derived.tensors},
+            {n: b.load() for n, b in derived.blocks().items()})
+
+
 def test_converted_checkpoint_is_what_transformers_loads(tiny_gguf, reference, reference_state, tmp_path):
-    from safetensors.numpy import load_file
     from transformers import AutoConfig
 
-    from graphkiln.models.gguf import convert_gguf
-    from graphkiln.models.prequantized import read_sidecar
-
     ckpt = tmp_path / "ckpt"
-    convert_gguf(tiny_gguf, ckpt)
-    weights = load_file(str(ckpt / "model.safetensors"))
+    weights, blocks = converted(tiny_gguf, ckpt)
     assert sorted(weights) == sorted(reference_state)  # untied: lm_head.weight is stored
     for name, ref in reference_state.items():
         assert weights[name].dtype == np.float32 and weights[name].shape == ref.shape, name
@@ -228,7 +232,6 @@ def test_converted_checkpoint_is_what_transformers_loads(tiny_gguf, reference, r
     assert (ckpt / "chat_template.jinja").read_text() == CHAT_TEMPLATE
 
     # the blocks: every 2-D Q4_0 / Q8_0 tensor, nothing else, each bit-exact with its float weight
-    blocks = read_sidecar(ckpt)
     want = {hf for hf in reference_state if TYPES.get(gguf_name(hf)) in EXACT}
     assert set(blocks) == want
     for hf, b in blocks.items():
@@ -238,26 +241,20 @@ def test_converted_checkpoint_is_what_transformers_loads(tiny_gguf, reference, r
         assert np.array_equal(bits_of(b.dequantize()), bits_of(reference_state[hf])), hf
 
 
-def test_large_models_are_written_in_shards(tiny_gguf, reference_state, tmp_path, monkeypatch):
-    """Past SHARD_BYTES of float32 the weights go into model-0000i-of-0000n shards with an index."""
-    from safetensors.numpy import load_file
+def test_conversion_writes_no_weights_and_reads_rows(tiny_gguf, reference_state, tmp_path):
+    """The converted directory holds the config and tokenizer only (issue 36: no full-precision copy
+    of the model on disk); a band of rows is those rows of the whole tensor, for a table, a tensor
+    whose rows llama.cpp permuted (attn_q) and one stored in a type without blocks (Q4_1)."""
+    from graphkiln.models.gguf import convert_gguf
 
-    import graphkiln.models.gguf as gguf_module
-
-    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 200_000)
     ckpt = tmp_path / "ckpt"
-    gguf_module.convert_gguf(tiny_gguf, ckpt)
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    shards = sorted(set(index.values()))
-    assert len(shards) > 2 and not (ckpt / "model.safetensors").exists() and not list(ckpt.glob("*.tmp"))
-    loaded = {}
-    for shard in shards:
-        tensors = load_file(str(ckpt / shard))
-        assert all(index[k] == shard for k in tensors)
-        loaded.update(tensors)
-    assert sorted(loaded) == sorted(reference_state)
-    for name, want in reference_state.items():
-        assert np.array_equal(bits_of(loaded[name]), bits_of(want)), name
+    derived = convert_gguf(tiny_gguf, ckpt)
+    assert not [p.name for p in ckpt.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < 100_000
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight"):
+        want = reference_state[name]
+        assert np.array_equal(bits_of(derived.tensors[name].rows(3, 11)), bits_of(want[3:11])), name
 
 
 def test_name_map_is_transformers(reference):
@@ -276,11 +273,7 @@ def test_name_map_is_transformers(reference):
 def test_qwen_ggufs_convert_as_transformers_loads_them(arch, tmp_path):
     """Qwen2 (q/k/v biases) and Qwen3 (q/k norms), tied, no row permutation: the same checks."""
     import torch
-    from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
-
-    from graphkiln.models.gguf import convert_gguf
-    from graphkiln.models.prequantized import read_sidecar
 
     types = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_k.weight": Q.Q8_0,
              "blk.1.ffn_up.weight": Q.Q4_1, "blk.1.attn_output.weight": Q.Q4_0}
@@ -288,15 +281,13 @@ def test_qwen_ggufs_convert_as_transformers_loads_them(arch, tmp_path):
     write_tiny_gguf(path, arch=arch, types=types, tied=True)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     ref = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    convert_gguf(path, tmp_path / "ckpt")
-    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    weights, blocks = converted(path, tmp_path / "ckpt")
     assert sorted(weights) == sorted(ref)
     assert any(k.endswith("q_proj.bias") for k in ref) == (arch == "qwen2")
     assert any(k.endswith("q_norm.weight") for k in ref) == (arch == "qwen3")
     for name, want in ref.items():
         assert np.array_equal(bits_of(weights[name]), bits_of(want)), name
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["architectures"] == [ARCHS[arch][0]]
-    blocks = read_sidecar(tmp_path / "ckpt")
     assert sorted(blocks) == sorted(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                                      "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight"])
     for name, b in blocks.items():
@@ -307,17 +298,12 @@ def test_llama_gguf_named_mistral_converts_to_mistral(tiny_gguf, tmp_path):
     """transformers reads a llama GGUF named "mistral" as MistralForCausalLM, and then its GGUF
     loader raises (the gguf package has no "mistral" tensor names); graphkiln converts it with
     llama's names and permutation: the weights of the same file named otherwise."""
-    from safetensors.numpy import load_file
-
-    from graphkiln.models.gguf import convert_gguf
-
     named = tmp_path / "named.gguf"
     write_tiny_gguf(named, name="mistral")
-    convert_gguf(named, tmp_path / "mistral")
-    convert_gguf(tiny_gguf, tmp_path / "llama")
+    ours, _ = converted(named, tmp_path / "mistral")
+    theirs, _ = converted(tiny_gguf, tmp_path / "llama")
     config = json.loads((tmp_path / "mistral" / "config.json").read_text())
     assert (config["architectures"], config["model_type"]) == (["MistralForCausalLM"], "mistral")
-    ours, theirs = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("mistral", "llama"))
     assert sorted(ours) == sorted(theirs)
     for name in ours:
         assert np.array_equal(bits_of(ours[name]), bits_of(theirs[name])), name
@@ -600,9 +586,9 @@ def test_real_gguf_exports_with_its_q8_0_head_blocks(smollm2_gguf, tmp_path):
                and n.input[0] in inits | producers and "input_ids" in n.input[1]]
     assert len(lookups) == 1, [(n.op_type, list(n.input)) for n in lookups]
     lookup = lookups[0]
-    if lookup.op_type == "GatherBlockQuantized":  # the head's own tensors: [N, K/32, 32] reshaped
-        assert lookup.input[2] == head.input[2]
-        assert list(producers[lookup.input[0]].input)[0] == head.input[1]
+    if lookup.op_type == "GatherBlockQuantized":  # the head's own tensors: [N, K/32, 32] as stored, scales reshaped
+        assert lookup.input[0] == head.input[1]
+        assert list(producers[lookup.input[2]].input)[0] == head.input[2]
     else:
         assert np.array_equal(bits_of(array(lookup.input[0])), bits_of(want))
 

@@ -334,27 +334,30 @@ def _read_dir(directory: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_conversion_gives_the_known_float_weights_and_blocks(name, built, tmp_path, monkeypatch):
+def test_conversion_gives_the_known_float_weights_and_blocks(name, built, tmp_path):
+    """The converted checkpoint's tensors (read from the source when read: no weight file is
+    written, issue 36) are the known dequantized weights and the stored float tensors as they are;
+    its blocks the known codes; transformers' reference (verify's) loads them."""
     import torch
 
+    from graphkiln.export.verify import _load_reference
     from graphkiln.models import hf_quantized
-    from graphkiln.models.hf_quantized import shards
-    from graphkiln.models.prequantized import read_sidecar
+    from graphkiln.models.derived import registered
+    from graphkiln.models.weights import _open_shards, _Reader
 
     b = built(name)
     dest = tmp_path / "converted"
-    if b.scheme.shards > 1:  # the output sharded too: shards of ~64 KB and an index
-        monkeypatch.setattr(shards, "SHARD_BYTES", 64 << 10)
-    hf_quantized.convert_quantized_checkpoint(b.quantized, dest)
-    if b.scheme.shards > 1:
-        from transformers import AutoModelForCausalLM
-
-        index = json.loads((dest / "model.safetensors.index.json").read_text())
-        files = sorted(set(index["weight_map"].values()))
-        assert len(files) > 2 and files == sorted(p.name for p in dest.glob("model-*.safetensors"))
-        loaded = AutoModelForCausalLM.from_pretrained(str(dest), dtype=torch.float32).state_dict()
-        for k, v in _read_dir(b.reference).items():  # transformers reads the index: the reference's weights
-            assert torch.equal(loaded[k], v), k
+    derived = hf_quantized.convert_quantized_checkpoint(b.quantized, dest)
+    assert not list(dest.glob("*.safetensors"))
+    assert all(path.parent == b.quantized for path in derived.shards.values())  # read in place
+    with registered(dest, derived):
+        reader = _Reader(_open_shards(dest))
+        tensors = {n: reader.read(n) for n in reader.where}
+        blocks = {n: sb.load() for n, sb in derived.blocks().items()}
+        if b.scheme.shards > 1:
+            loaded = _load_reference(str(b.quantized), dest, False).state_dict()
+            for k, v in _read_dir(b.reference).items():  # the reference's weights
+                assert torch.equal(loaded[k], v), k
 
     config = json.loads((dest / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == LAYERS
@@ -362,7 +365,6 @@ def test_conversion_gives_the_known_float_weights_and_blocks(name, built, tmp_pa
         assert (dest / file).read_bytes() == (b.quantized / file).read_bytes(), file
     assert not (dest / "quantize_config.json").exists()
 
-    tensors = _read_dir(dest)
     assert set(tensors) == {f"{m}.weight" for m in b.known} | set(b.floats)
     for m, kn in b.known.items():
         w = tensors[f"{m}.weight"]
@@ -374,7 +376,6 @@ def test_conversion_gives_the_known_float_weights_and_blocks(name, built, tmp_pa
     for k in tensors:
         np.testing.assert_array_equal(tensors[k].float().numpy(), ref[k].numpy(), err_msg=k)
 
-    blocks = read_sidecar(dest)
     assert set(blocks) == {f"{m}.weight" for m in b.known}
     for m, kn in b.known.items():
         bq = blocks[f"{m}.weight"]

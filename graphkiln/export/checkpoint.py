@@ -1,10 +1,12 @@
 """Resolve a MODEL argument (local directory, GGUF file or hub id) to a local checkpoint directory.
 
 ``prepared_checkpoint`` is what export and verify use: a checkpoint stored in a quantized format (a
-GGUF file, or a Hugging Face checkpoint with a GPTQ/AWQ/compressed-tensors ``quantization_config``)
-is converted into a temporary ordinary checkpoint directory (dequantized float weights, config,
-tokenizer) plus the blocks that map onto MatMulNBits as they are (``models.prequantized``), which
-lives as long as the ``with`` block.
+GGUF file, or a Hugging Face checkpoint with a GPTQ/AWQ/compressed-tensors/FP8/NVFP4
+``quantization_config``) is converted into a temporary checkpoint directory (config, tokenizer: no
+weight file) whose float weights are dequantized from the source when read and whose blocks that
+map onto MatMulNBits are kept as they are (``models.derived``, ``models.prequantized``), which lives
+as long as the ``with`` block. The conversion's memory and disk needs are checked first
+(``export.preflight.check_conversion``).
 """
 
 from __future__ import annotations
@@ -71,21 +73,26 @@ def prepared_checkpoint(model: str, say=lambda msg: None, bits: int | None = Non
             return
         if method not in CONVERTIBLE_QUANT_METHODS:
             refuse_quantized({"quantization_config": qc})
+    from graphkiln.export.preflight import check_conversion
+    from graphkiln.models.derived import registered
+
     with tempfile.TemporaryDirectory(prefix="graphkiln-checkpoint-") as tmp:
         dest = Path(tmp) / "checkpoint"
+        check = lambda needs: check_conversion(needs, dest)  # noqa: E731
         if gguf is not None:
             from graphkiln.models.gguf import convert_gguf
 
-            say(f"      converting {gguf.name} (GGUF) into a checkpoint")
-            convert_gguf(gguf, dest)
+            say(f"      converting {gguf.name} (GGUF) into a checkpoint (its weights dequantized as they are read)")
+            derived = convert_gguf(gguf, dest, preflight=check)
         else:
             from graphkiln.models.hf_quantized import convert_quantized_checkpoint
 
-            say(f"      converting the {method} checkpoint {src} (dequantized weights, blocks kept)")
-            summary = convert_quantized_checkpoint(src, dest, bits, block_size)
-            if summary:
-                say(f"      {summary}")
-        yield dest
+            say(f"      converting the {method} checkpoint {src} (weights dequantized as they are read, blocks kept)")
+            derived = convert_quantized_checkpoint(src, dest, bits, block_size, preflight=check)
+            if derived.summary:
+                say(f"      {derived.summary}")
+        with registered(dest, derived):
+            yield dest
 
 
 def resolve_checkpoint(model: str) -> Path:

@@ -35,6 +35,7 @@ class Estimate:
     largest_layer: int
     template: int
     table: int
+    dequantize: int = 0  # a converted quantized checkpoint's largest tensor's dequantization temporaries
 
 
 def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...], weights=None) -> Estimate:
@@ -72,14 +73,15 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
     if cfg.vision_seam and weights is not None:  # the vision tower (and projector) is loaded whole, in fp32
         stored = sum(math.prod(weights.reader.header(n)["shape"]) for n in weights.reader.where)
         template_bytes += max(0, stored - total_params) * 4
-    peak = BASE_BYTES + template_bytes + int(WORKING_FACTOR * largest) + table_work
+    dequantize = _dequantizing(weights) if weights is not None else 0  # a converted quantized checkpoint
+    peak = BASE_BYTES + template_bytes + int(WORKING_FACTOR * largest) + table_work + dequantize
     disk = artifact
     moe = any(s.ffn == "moe" for s in cfg.layers)
     if moe and not opts.quant:  # the traced data file and the interleaved experts' new one, side by side
         disk += artifact
     if len(targets) > 1:
         disk += artifact // 4  # other targets' rewritten tensors (MoE experts), at most: a margin
-    return Estimate(peak, disk, artifact, largest, template_bytes, table_work)
+    return Estimate(peak, disk, artifact, largest, template_bytes, table_work, dequantize)
 
 
 def _largest_stage(opts, cfg, targets, layer_bytes: list[int]) -> int:
@@ -95,6 +97,32 @@ def _largest_stage(opts, cfg, targets, layer_bytes: list[int]) -> int:
         return max(sum(layer_bytes[a:b]) for a, b in ranges)
     total = sum(layer_bytes)
     return min(total, -(-total // opts.stages) + max(layer_bytes, default=0))
+
+
+def _dequantizing(weights) -> int:
+    """What reading a converted quantized checkpoint's largest tensor adds beyond its float rows
+    (``models.derived``: the dequantizer's temporaries); 0 for an ordinary checkpoint."""
+    from graphkiln.models.weights import PLACEHOLDER_PARAMS
+
+    made = [t for n, t in weights.reader.where.items() if not isinstance(t, Path) and n not in PLACEHOLDER_PARAMS]
+    return max((int(t.nbytes * t.work_factor) for t in made), default=0)  # the tables are read in bands
+
+
+def check_conversion(needs, dest: Path) -> None:
+    """Before a quantized checkpoint (GGUF, GPTQ/AWQ/...) is converted (``models.derived.ConversionNeeds``,
+    from its headers): refuse in one line when the memory available now, or the free space where
+    the converted directory goes, cannot hold what the conversion needs."""
+    from graphkiln.memory import require_memory
+
+    gib = 2 ** 30
+    require_memory(needs.memory, f"{needs.what} (the tools and the largest tensor while its blocks are checked)",
+                   "close other programs, or export on a machine with more memory")
+    free = _free_disk(dest)
+    if free is not None and needs.disk > free:
+        raise GraphkilnError(
+            f"no space left on device for {dest.parent}: {needs.what} writes about {needs.disk / gib:.2f} GiB "
+            f"(its config and tokenizer files; the weights are read from the source) but the disk has "
+            f"{free / gib:.2f} GiB free: set TMPDIR to a directory on another disk")
 
 
 def check_whole_model(decoder) -> None:
@@ -122,6 +150,7 @@ def check_memory(est: Estimate, opts) -> None:
     require_memory(est.peak_memory,
                    f"this export (at its peak: the traced layers {est.template / gib:.1f} GiB, one layer "
                    f"{est.largest_layer / gib:.1f} GiB twice, the embedding/head {est.table / gib:.1f} GiB, "
+                   + (f"dequantizing a stored tensor {est.dequantize / gib:.1f} GiB, " if est.dequantize else "") +
                    f"{BASE_BYTES / gib:.1f} GiB for the tools)",
                    "export with --dtype fp16" if opts.dtype == "fp32" else "export on a machine with more memory")
 

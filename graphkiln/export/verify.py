@@ -178,10 +178,31 @@ def _load_reference(reference: str, path, vision: bool):
     hf_logging.disable_progress_bar()
     try:
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        model = auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False).eval()
+        given = _converted_weights(path)
+        if given:  # transformers' own class for the config (``auto`` reads a name or path only)
+            auto = auto._model_mapping[type(given["config"])]
+        model = auto.from_pretrained(None if given else str(path), dtype=torch.float32, trust_remote_code=False,
+                                     **given).eval()
     except Exception as exc:
         raise GraphkilnError(f"transformers cannot load the reference {reference} ({str(exc).splitlines()[0][:160]})") from None
     return model
+
+
+def _converted_weights(path) -> dict:
+    """For a converted quantized checkpoint (a GGUF, GPTQ/AWQ...: ``models.derived``), whose
+    directory holds no weight file: transformers' ``from_pretrained`` arguments giving it the
+    weights, dequantized as they are read, in fp32 (this reference is whole in fp32 anyway); {}
+    for an ordinary checkpoint, which transformers reads itself."""
+    from graphkiln.models.derived import derived_weights
+
+    if derived_weights(path) is None:
+        return {}
+    from transformers import AutoConfig
+
+    from graphkiln.models.weights import read_tensors, tensor_headers
+
+    state = read_tensors(path, list(tensor_headers(path)), "fp32")
+    return {"config": AutoConfig.from_pretrained(str(path)), "state_dict": state}
 
 
 def _refuse_auto_map(reference: str, path) -> None:

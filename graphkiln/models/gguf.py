@@ -62,19 +62,19 @@ from pathlib import Path
 import numpy as np
 
 from graphkiln.errors import GraphkilnError
+from graphkiln.models.derived import BASE_CONVERSION_BYTES, SMALL_FILES_BYTES, ConversionNeeds
 from graphkiln.untrusted import show
 
 # GGUF ``general.architecture`` values converted (transformers' GGUF loader reads them, graphkiln
 # exports the resulting family); a llama GGUF named "mistral" becomes MistralForCausalLM.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# float bytes per safetensors shard written (a 7B model is ~28 GB of float32)
-SHARD_BYTES = 4 << 30
 _FIX = "re-download it, or convert the model again with llama.cpp's convert_hf_to_gguf.py"
 
 
-def convert_gguf(gguf: Path, dest: Path) -> None:
-    """Write the checkpoint directory ``dest`` (created here; see the module docstring) from the
-    GGUF file ``gguf``."""
+def convert_gguf(gguf: Path, dest: Path, preflight=None) -> "DerivedWeights":
+    """Write the checkpoint directory ``dest`` (created here: its small files; see the module
+    docstring) from the GGUF file ``gguf``, and return its tensors (``models.derived``), to be
+    registered for ``dest``. ``preflight(ConversionNeeds)`` is called before anything is written."""
     path = Path(gguf)
     name = show(path.name)  # every message names the file through show(): a file name is untrusted text
     try:
@@ -91,11 +91,14 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
                              "Face checkpoint instead")
     raw, config = _config(layout, name)
     _check_metadata(layout, config, name)
+    model_cls, expected, mapping, processor = _plan(config, raw, arch, name)
+    derived = _derive_tensors(path, layout, name, expected, mapping, processor)
+    if preflight is not None:
+        preflight(ConversionNeeds(BASE_CONVERSION_BYTES, SMALL_FILES_BYTES, "converting the GGUF file"))
     dest.mkdir(parents=True)
     _write_tokenizer(path, layout, dest, name)  # first: transformers looks in ``dest`` for tokenizer files
-    model_cls, expected, mapping, processor = _plan(config, raw, arch, name)
-    _write_tensors(path, layout, dest, name, expected, mapping, processor)
     _write_config(dest, config, model_cls)
+    return derived
 
 
 # --------------------------------------------------------------------------- metadata
@@ -222,20 +225,113 @@ def tensor_data(path: Path, layout: "Layout", t: "TensorInfo", blob: np.ndarray 
     return raw.reshape(quant_shape_to_byte_shape(t.shape, t.qtype))
 
 
-def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected: dict, mapping: dict,
-                   processor) -> None:
-    from gguf import GGMLQuantizationType, dequantize
+# bytes of the dequantizer's temporaries per float32 output byte (gguf's numpy dequantization of
+# K-quants holds a few float32 arrays of the output's size; plain types only convert)
+_WORK_QUANT, _WORK_PLAIN = 3.0, 0.5
 
-    from graphkiln.models.prequantized import write_sidecar
 
-    writer = _ShardWriter(dest)
-    blocks = {}
+def _derive_tensors(path: Path, layout: "Layout", name: str, expected: dict, mapping: dict, processor):
+    """The ``DerivedWeights`` of the file's tensors (see the module docstring): every check the
+    whole conversion made, from the header and one row of each tensor; nothing dequantized whole."""
+    from gguf import GGMLQuantizationType
+
+    from graphkiln.models.derived import DerivedTensor, DerivedWeights
+    from graphkiln.models.prequantized import StoredBlocks
+
+    derived = DerivedWeights()
     widths = {4: 0, 8: 0}  # elements of quantized 2-D weights by the width they were stored at
-    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    exact = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
     for t in layout.tensors:
-        data = tensor_data(path, layout, t, blob)
+        order = _row_order(t, processor, mapping, name)
+        if order is False:
+            continue  # transformers' loader skips it too
+        result_name, order = order
+        hf = mapping[result_name]
+        if hf not in expected:
+            continue  # a tied head stored anyway: the model reads the embedding
+        if tuple(t.shape) != expected[hf]:
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {tuple(t.shape)}, but the metadata implies "
+                                 f"{expected[hf]} for {hf}: the file is inconsistent; {_FIX}")
+        rows = _row_reader(path, layout, t, order, name)
+        sample = rows(0, 1)  # the type is one gguf dequantizes, to floats
+        if sample.dtype.kind != "f":
+            raise GraphkilnError(f"{name}: tensor {show(t.name)} is stored as {t.qtype.name}, not a float or quantized "
+                                 f"type: {_FIX}")
+        bits = _stored_bits(t.qtype.name)
+        if len(t.shape) == 2 and bits is not None:
+            widths[bits] += t.shape[0] * t.shape[1]
+        blocks = None
+        if t.qtype in exact and len(t.shape) == 2 and "norm" not in hf and t.shape[1] % 32 == 0:
+            q4 = t.qtype == GGMLQuantizationType.Q4_0
+            # centered: Q4_0's zero point is 8 and Q8_0's 128, the midpoints
+            blocks = StoredBlocks(tuple(t.shape), 4 if q4 else 8, 32, f"gguf:{t.qtype.name}", True,
+                                  lambda t=t, rows=rows: _stored_blocks(path, layout, t, rows, processor, mapping,
+                                                                                name))
+        plain = t.qtype.name in ("F32", "F16", "BF16", "F64")
+        derived.tensors[hf] = DerivedTensor(tuple(t.shape), rows, blocks, _WORK_PLAIN if plain else _WORK_QUANT)
+    missing = sorted(set(expected) - set(derived.tensors))
+    if missing:
+        raise GraphkilnError(f"{name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}): the file "
+                             f"is incomplete; {_FIX}")
+    derived.default_bits = max(widths, key=widths.get) if any(widths.values()) else None
+    return derived
+
+
+def _row_order(t: "TensorInfo", processor, mapping: dict, name: str):
+    """False when transformers' loader skips the tensor, else (its name after the tensor
+    processor, the processor's permutation of its rows: None when there is none). The processors
+    of the architectures converted only permute rows (llama's attn_q / attn_k), so running the
+    processor on the row indices finds the permutation without dequantizing anything."""
+    n = t.shape[0]
+    probe = np.arange(n).reshape(n, *([1] * (len(t.shape) - 1)))
+    try:
+        result = processor.process(weights=probe, name=t.name, tensor_key_mapping=mapping,
+                                   parsed_parameters={"tensors": {}})
+    except Exception as exc:
+        raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {t.shape}, which does not fit the model's "
+                             f"heads ({_why(exc)}): {_FIX}") from None
+    if result.name not in mapping:
+        return False
+    order = np.asarray(result.weights)
+    if order.shape != probe.shape or not np.array_equal(np.sort(order.reshape(n)), np.arange(n)):
+        raise GraphkilnError(f"{name}: transformers' tensor processor reshapes {show(t.name)} in a way graphkiln "
+                             f"cannot read in rows: {_FIX}")
+    order = order.reshape(n)
+    return result.name, None if np.array_equal(order, np.arange(n)) else order
+
+
+def _row_reader(path: Path, layout: "Layout", t: "TensorInfo", order, name: str):
+    """``rows(start, stop)``: rows [start, stop) of the tensor as transformers loads it (float32:
+    ``gguf.dequantize`` of the stored bytes, the processor's row permutation ``order`` applied),
+    reading only those rows' bytes (a permuted tensor, a layer's q or k, is read whole)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import dequantize
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from graphkiln.models.derived import read_exact
+
+    n = t.shape[0]
+    one_d = len(t.shape) == 1
+    row_bytes = t.nbytes // n if not one_d else t.nbytes
+    plain = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+             Q.I32: np.int32, Q.I64: np.int64}
+    base = layout.data_start + t.offset
+
+    def rows(start: int, stop: int) -> np.ndarray:
+        if one_d:  # a norm or bias: small, read whole
+            raw, count, shape = read_exact(path, base, t.nbytes, name), None, t.shape
+        elif order is None:
+            count = stop - start
+            raw = read_exact(path, base + start * row_bytes, count * row_bytes, name)
+            shape = (count, *t.shape[1:])
+        else:
+            whole = read_exact(path, base, t.nbytes, name).reshape(n, row_bytes)
+            raw = np.ascontiguousarray(whole[order[start:stop]]).reshape(-1)
+            shape = (len(order[start:stop]), *t.shape[1:])
+        data = raw.view(plain[t.qtype]).reshape(shape) if t.qtype in plain else \
+            raw.reshape(quant_shape_to_byte_shape(shape, t.qtype))
         try:
-            weights = dequantize(data, t.qtype)
+            w = dequantize(data, t.qtype)
         except NotImplementedError:
             raise GraphkilnError(f"{name}: tensor {show(t.name)} is stored as {t.qtype.name}, which the gguf package "
                                  "cannot dequantize: upgrade gguf (pip install -U gguf), or use a GGUF of another "
@@ -243,40 +339,25 @@ def _write_tensors(path: Path, layout: "Layout", dest: Path, name: str, expected
         except Exception as exc:
             raise GraphkilnError(f"{name}: tensor {show(t.name)} ({t.qtype.name}) is malformed ({_why(exc)}): "
                                  f"{_FIX}") from None
-        try:
-            result = processor.process(weights=weights, name=t.name, tensor_key_mapping=mapping,
-                                       parsed_parameters={"tensors": {}})
-        except Exception as exc:
-            raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {t.shape}, which does not fit the model's "
-                                 f"heads ({_why(exc)}): {_FIX}") from None
-        if result.name not in mapping:
-            continue  # transformers' loader skips it too
-        hf = mapping[result.name]
-        if hf not in expected:
-            continue  # a tied head stored anyway: the model reads the embedding
-        w = np.asarray(result.weights)
         if w.dtype.kind != "f":
-            raise GraphkilnError(f"{name}: tensor {show(t.name)} is stored as {t.qtype.name}, not a float or quantized "
-                                 f"type: {_FIX}")
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if tuple(w.shape) != expected[hf]:
-            raise GraphkilnError(f"{name}: tensor {show(t.name)} has shape {tuple(w.shape)}, but the metadata implies "
-                                 f"{expected[hf]} for {hf}: the file is inconsistent; {_FIX}")
-        if w.ndim == 2 and _stored_bits(t.qtype.name) is not None:
-            widths[_stored_bits(t.qtype.name)] += w.size
-        if t.qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0) and w.ndim == 2 and "norm" not in hf:
-            b = exact_blocks(data, t, w, processor, mapping)
-            if b is not None:
-                blocks[hf] = b
-        writer.add(hf, w)
-    missing = sorted(set(expected) - set(writer.names))
-    if missing:
-        raise GraphkilnError(f"{name} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}): the file "
-                             f"is incomplete; {_FIX}")
-    writer.close()
-    default_bits = max(widths, key=widths.get) if any(widths.values()) else None
-    if blocks or default_bits:
-        write_sidecar(dest, blocks, default_bits)
+            return w
+        w = np.ascontiguousarray(w, dtype=np.float32).reshape(shape)
+        return w[start:stop] if one_d else w
+
+    return rows
+
+
+def _stored_blocks(path: Path, layout: "Layout", t: "TensorInfo", rows, processor, mapping: dict, name: str):
+    """The ``BlockQuantized`` blocks of a Q4_0 / Q8_0 tensor, checked bit for bit against its
+    dequantized rows (``exact_blocks``: exact by construction, Q4_0 and Q8_0 dequantize as one
+    float32 product, checked all the same)."""
+    from graphkiln.models.derived import read_exact
+
+    raw = read_exact(path, layout.data_start + t.offset, t.nbytes, name).reshape(t.shape[0], -1)
+    b = exact_blocks(raw, t, rows(0, t.shape[0]), processor, mapping)
+    if b is None:
+        raise GraphkilnError(f"{name}: the blocks of tensor {show(t.name)} do not dequantize to its weights: {_FIX}")
+    return b
 
 
 def _stored_bits(qtype: str) -> int | None:
@@ -322,45 +403,6 @@ def exact_blocks(data: np.ndarray, t: "TensorInfo", w: np.ndarray, processor=Non
     if not np.array_equal(b.dequantize().view(np.uint32), w.view(np.uint32)):
         return None
     return b
-
-
-class _ShardWriter:
-    """Float tensors into ``model.safetensors``, or shards of ``SHARD_BYTES`` plus the index."""
-
-    def __init__(self, dest: Path):
-        self.dest = dest
-        self.pending: dict[str, np.ndarray] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.names: list[str] = []
-
-    def add(self, name: str, w: np.ndarray) -> None:
-        if self.pending and self.pending_bytes + w.nbytes > SHARD_BYTES:
-            self._flush()
-        self.pending[name] = w
-        self.pending_bytes += w.nbytes
-        self.names.append(name)
-
-    def _flush(self) -> None:
-        from safetensors.numpy import save_file
-
-        save_file(self.pending, str(self.dest / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        if self.pending or not self.shards:
-            self._flush()
-        if len(self.shards) == 1:
-            (self.dest / "shard-0.tmp").rename(self.dest / "model.safetensors")
-            return
-        count = len(self.shards)
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            file = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            (self.dest / f"shard-{i}.tmp").rename(self.dest / file)
-            weight_map.update(dict.fromkeys(names, file))
-        (self.dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 # --------------------------------------------------------------------------- config and tokenizer

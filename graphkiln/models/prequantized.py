@@ -2,11 +2,13 @@
 exactly as they are instead of being dequantized and quantized again.
 
 A checkpoint in such a format is first converted (``graphkiln.models.gguf``,
-``graphkiln.models.hf_quantized``) into an ordinary checkpoint directory holding the *dequantized*
-float weights, which transformers (the reference) and the tracer read as usual, plus a sidecar
-``PREQUANTIZED_FILE`` holding, for the checkpoint tensors whose blocks map onto onnxruntime's
-``MatMulNBits`` without loss, those blocks. The export maps them to the decoder's parameters
-(``blocks_for_parameters``: a fused q/k/v or gate/up weight is quantized when all its parts are,
+``graphkiln.models.hf_quantized``) into an ordinary checkpoint directory whose float weights are
+made from the stored ones when read (``models.derived``: nothing full-precision is written or kept),
+which transformers (the reference) and the tracer read as usual, and whose blocks that map onto
+onnxruntime's ``MatMulNBits`` without loss are ``StoredBlocks``: made when the quantizer asks for
+them, one weight at a time. (A directory may also hold a sidecar ``PREQUANTIZED_FILE`` of blocks,
+read whole: ``read_sidecar``.) The export maps them to the decoder's parameters
+(``models.weights.prequantized_parameters``: a fused q/k/v or gate/up weight is quantized when all its parts are,
 alike) and the quantizer (``export.lowering.quantize``) writes them instead of quantizing the float
 weight: the artifact computes with the very integers the checkpoint stored, and its float weights
 are bit-exact with them (``BlockQuantized.dequantize``).
@@ -67,6 +69,15 @@ class BlockQuantized:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def centered(self) -> bool:
+        """Every zero point is the midpoint ``2**(bits-1)`` (MatMulNBits' implicit zero point)."""
+        return bool((self.zero_points == 1 << (self.bits - 1)).all())
+
+    def load(self) -> "BlockQuantized":
+        """The blocks themselves (``StoredBlocks.load``'s counterpart)."""
+        return self
+
     def dequantize(self) -> np.ndarray:
         """The float32 ``[N, K]`` weight these blocks stand for (what the float checkpoint holds)."""
         n, k = self.codes.shape
@@ -75,14 +86,43 @@ class BlockQuantized:
                 * expand(self.scales.astype(np.float32)))
 
 
-def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized | None:
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A weight's blocks as a converted checkpoint stores them (``models.derived``): what the
+    quantizer plans with (bits, block size, shape, whether every zero point is the midpoint), the
+    codes themselves made by ``make`` only when asked for (``load``), and not kept: a model's blocks
+    are never all in memory at once."""
+
+    shape: tuple[int, int]
+    bits: int
+    block_size: int
+    format: str
+    centered: bool
+    make: object  # () -> BlockQuantized
+
+    def load(self) -> BlockQuantized:
+        b = self.make()
+        if (b.shape, b.bits, b.block_size, b.centered) != (tuple(self.shape), self.bits, self.block_size,
+                                                            self.centered):
+            raise GraphkilnError(f"the stored blocks of a {self.format} weight changed while the export read them "
+                                 f"({b.shape} {b.bits}-bit, planned {tuple(self.shape)} {self.bits}-bit): leave the "
+                                 "checkpoint unchanged while it is exported")
+        return b
+
+
+def concat_rows(parts: list) -> "BlockQuantized | StoredBlocks | None":
     """Blocks of a weight fused from ``parts`` along N (q/k/v, gate/up), or None when they are not
-    alike (bits, block size, K) and the fused weight must be quantized from its floats."""
+    alike (bits, block size, K) and the fused weight must be quantized from its floats. Parts that
+    are ``StoredBlocks`` give ``StoredBlocks`` (concatenated when loaded)."""
     first = parts[0]
     if any((p.bits, p.block_size, p.shape[1]) != (first.bits, first.block_size, first.shape[1]) for p in parts):
         return None
     if len(parts) == 1:
         return first
+    if any(isinstance(p, StoredBlocks) for p in parts):
+        return StoredBlocks((sum(p.shape[0] for p in parts), first.shape[1]), first.bits, first.block_size,
+                            "+".join(sorted({p.format for p in parts})), all(p.centered for p in parts),
+                            lambda: concat_rows([p.load() for p in parts]))
     formats = sorted({p.format for p in parts})
     return BlockQuantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
                           np.concatenate([p.zero_points for p in parts]), first.bits, first.block_size,
@@ -109,7 +149,12 @@ def write_sidecar(directory: Path, blocks: dict[str, BlockQuantized], default_bi
 
 
 def sidecar_default_bits(directory: Path) -> int | None:
-    """The ``default_bits`` the converter recorded (see ``write_sidecar``), or None."""
+    """The ``default_bits`` the converter recorded (``models.derived``, or ``write_sidecar``), or None."""
+    from graphkiln.models.derived import derived_weights
+
+    derived = derived_weights(directory)
+    if derived is not None:
+        return derived.default_bits
     path = directory / PREQUANTIZED_FILE
     if not path.is_file():
         return None

@@ -79,9 +79,15 @@ def rope_inv_freq(cfg: DecoderConfig, flavor: str = "default") -> tuple[torch.Te
     return inv, float(scaling)
 
 
-def _open_shards(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors shard holding it."""
+def _open_shards(model_dir: Path) -> dict:
+    """Map every tensor name to the safetensors shard holding it, or, in a converted quantized
+    checkpoint (``models.derived``), to the ``DerivedTensor`` that makes it when read."""
+    from graphkiln.models.derived import derived_weights
     from graphkiln.models.prequantized import PREQUANTIZED_FILE
+
+    derived = derived_weights(model_dir)
+    if derived is not None:  # the source's shards were checked when the conversion opened them
+        return {**derived.shards, **derived.tensors}
 
     found = sorted(model_dir.glob("*.safetensors"))
     for shard in found:  # safetensors opens by name (and would block on a FIFO): regular files only
@@ -178,8 +184,11 @@ class _Reader:
         return dataclasses.replace(src, parts=tuple(self.chosen(p) for p in src.parts))
 
     def header(self, name: str) -> dict:
-        """The shard header entry of a tensor: {"dtype": "F32", "shape": [...], "data_offsets": [...]}."""
+        """The shard header entry of a tensor: {"dtype": "F32", "shape": [...], "data_offsets": [...]}
+        (a derived tensor's: float32, as it is made)."""
         shard = self.where[name]
+        if not isinstance(shard, Path):
+            return {"dtype": "F32", "shape": list(shard.shape), "data_offsets": [0, shard.nbytes]}
         if shard not in self.headers:
             self.headers[shard] = _read_header(shard)
         return self.headers[shard][1][name]
@@ -210,6 +219,8 @@ class _Reader:
         shard = self.where[src]
         if shard not in self.handles:
             self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
+        if not isinstance(shard, Path):  # models.derived: made from the source's quantized bytes
+            return torch.from_numpy(shard.read())
         try:
             return self.handles[shard].get_tensor(src)
         except Exception as exc:
@@ -260,7 +271,7 @@ class _Reader:
 
     def _entry(self, name: str) -> "_Entry | None":
         """Where a tensor's bytes are, from its shard's header (None: absent or an unhandled dtype)."""
-        if name not in self.where:
+        if name not in self.where or not isinstance(self.where[name], Path):
             return None
         shard = self.where[name]
         self.header(name)
@@ -469,6 +480,10 @@ class CheckpointWeights:
         entry = self.reader._entry(src) if isinstance(src, str) else None
         if entry is None or len(entry.shape) != 2 or name in self.offset_norms:
             return self.read(name)[start:stop]
+        made = self.reader.where.get(src) if isinstance(src, str) else None
+        if made is not None and not isinstance(made, Path) and len(made.shape) == 2 and name not in self.offset_norms:
+            out = torch.from_numpy(made.rows(start, stop))  # models.derived: only these rows are made
+            return out if out.dtype == self.dtype else out.to(self.dtype)
         row = (entry.end - entry.begin) // entry.shape[0]
         out = torch.empty((stop - start, entry.shape[1]), dtype=entry.dtype)
         with open(entry.shard, "rb") as f:
@@ -609,10 +624,13 @@ def prequantized_parameters(model_dir: Path, family: ModelFamily, cfg: DecoderCo
     """The decoder parameters whose checkpoint tensors all have stored blocks in the directory's
     prequantized sidecar (``models.prequantized``), as {parameter name: BlockQuantized} in the
     parameter's own ``[N, K]`` layout: a fused weight's parts concatenated along N. {} without a
-    sidecar. A tied head's blocks are the embedding's, under both names."""
+    sidecar. A tied head's blocks are the embedding's, under both names. In a converted checkpoint
+    (``models.derived``) they are ``StoredBlocks``, made when the quantizer asks for them."""
+    from graphkiln.models.derived import derived_weights
     from graphkiln.models.prequantized import concat_rows, read_sidecar
 
-    stored = read_sidecar(model_dir)
+    derived = derived_weights(model_dir)
+    stored = derived.blocks() if derived is not None else read_sidecar(model_dir)
     if not stored:
         return {}
     reader = _Reader(_open_shards(model_dir))

@@ -1,7 +1,9 @@
 """Converting a pre-quantized checkpoint directory: the quantization_config's layout plans the
-quantized modules, every header is checked before anything is written, then the non-weight files,
-config.json without its quantization_config, the tensors (dequantized weights in place of packed
-ones) and the blocks' sidecar are written (see the package docstring)."""
+quantized modules, every header is checked and every module's blocks made once before anything is
+written, then the non-weight files and config.json without its quantization_config are written;
+the weights are not: they are read from the source when the export reads them (``models.derived``:
+the float tensors in place, each quantized module's float weight from its blocks; see the package
+docstring)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from graphkiln.models.hf_quantized.fp8 import FP8, float_quantized
 from graphkiln.models.hf_quantized.gptq import GPTQ
 from graphkiln.models.hf_quantized.layout import Layout
 from graphkiln.models.hf_quantized.nvfp4 import modelopt_layout
-from graphkiln.models.hf_quantized.shards import ShardWriter, Store
+from graphkiln.models.hf_quantized.shards import Store
 from graphkiln.untrusted import show
 
 # Files of the source directory not copied into the converted one: weights (rewritten, or formats
@@ -36,14 +38,19 @@ READS = ("gptq, awq, compressed-tensors (pack-quantized int, float-quantized FP8
 MAX_CONFIG_DEPTH = 32
 
 
-def convert_quantized_checkpoint(src: Path, dest: Path, bits: int | None = None,
-                                 block_size: int | None = None) -> str | None:
+def convert_quantized_checkpoint(src: Path, dest: Path, bits: int | None = None, block_size: int | None = None,
+                                 preflight=None) -> "DerivedWeights":
     """Convert the GPTQ / AWQ / compressed-tensors / FP8 / NVFP4 checkpoint directory ``src`` into
-    the ordinary checkpoint directory ``dest`` (see the module docstring); one ``GraphkilnError``
-    line when the checkpoint is malformed or its layout does not map onto MatMulNBits (``dest``
-    removed then). ``bits``/``block_size``: the export's ``--quant`` width and block size, for the
-    formats whose blocks are chosen on conversion (``Layout.request``). Returns the layout's
-    one-line summary (e.g. the blocks' error against the stored values), or None."""
+    the checkpoint directory ``dest`` (its small files; see the package docstring) and return its
+    tensors (``models.derived``: the float tensors read in place from ``src``'s shards, each
+    quantized module's float weight made from its blocks when read), to be registered for
+    ``dest``; ``.summary`` is the layout's one-line summary (e.g. the blocks' error against the
+    stored values), or None. Every header is checked and every module's blocks made once (one
+    module at a time, then dropped) before anything is written; ``preflight(ConversionNeeds)`` is
+    called before that. One ``GraphkilnError`` line when the checkpoint is malformed or its layout
+    does not map onto MatMulNBits (``dest`` removed then). ``bits``/``block_size``: the export's
+    ``--quant`` width and block size, for the formats whose blocks are chosen on conversion
+    (``Layout.request``)."""
     from graphkiln.models.hf_quantized.nvfp4 import modelopt_config
     from graphkiln.models.weights import read_config
 
@@ -59,54 +66,121 @@ def convert_quantized_checkpoint(src: Path, dest: Path, bits: int | None = None,
         modules, passthrough = layout.plan(store)
         for module, parts in modules.items():  # every header checked before anything is written
             layout.check_headers(store, module, parts)
+        if preflight is not None:
+            preflight(_needs(src, store, modules))
+        derived = _derive(store, layout, modules, passthrough)
+        derived.summary = layout.summary()
         created = not dest.exists()
         dest.mkdir(parents=True, exist_ok=True)
         try:
-            _write(src, dest, raw, store, layout, modules, passthrough)
+            _write(src, dest, raw)
         except BaseException:
             if created:
                 shutil.rmtree(dest, ignore_errors=True)
             raise
-    finally:
+    except BaseException:
         store.close()
-    return layout.summary()
+        raise
+    derived.on_close.append(store.close)
+    return derived
 
 
-def _write(src: Path, dest: Path, raw: dict, store: "Store", layout: "Layout", modules: dict,
-           passthrough: list[str]) -> None:
-    from graphkiln.models.prequantized import write_sidecar
+def _copied(src: Path) -> list[Path]:
+    """The source's files copied into the converted directory: every file but weights and the
+    quantizers' own configs (a FIFO or a dangling link is refused when it is opened)."""
+    return [path for path in sorted(src.iterdir())
+            if not (path.name in _SKIPPED_FILES or path.suffix.lower() in _SKIPPED_SUFFIXES
+                    or path.name.startswith(".") or path.is_dir())]
 
-    for path in sorted(src.iterdir()):  # the non-weight files, by checkpoint_files' rules (links inside only)
-        if path.name in _SKIPPED_FILES or path.suffix.lower() in _SKIPPED_SUFFIXES or path.name.startswith("."):
-            continue
-        if path.is_dir():  # a subfolder is nothing export reads; a FIFO or a dangling link is refused below
-            continue
+
+# bytes held while one module's blocks are made, per weight: the packed words as int64, the
+# unpacking's int64 shifts and masks, the codes (measured: ~20 on a 4-bit GPTQ module)
+_WORK_PER_WEIGHT = 24
+
+
+def _needs(src: Path, store: "Store", modules: dict) -> "ConversionNeeds":
+    """The conversion's peak memory (the tools and the largest module's blocks being made) and the
+    bytes it writes (the copied small files and config.json), from the headers alone."""
+    from graphkiln.models.derived import BASE_CONVERSION_BYTES, SMALL_FILES_BYTES, ConversionNeeds
+
+    largest = max((_weights_of(store, parts) for parts in modules.values()), default=0)
+    files = 0
+    for path in _copied(src):
+        try:
+            files += path.stat().st_size
+        except OSError:
+            pass  # refused, with its own message, when it is opened
+    return ConversionNeeds(BASE_CONVERSION_BYTES + largest * _WORK_PER_WEIGHT, files + SMALL_FILES_BYTES,
+                           "converting the quantized checkpoint")
+
+
+def _weights_of(store: "Store", parts: dict) -> int:
+    """About the number of weights a module holds: its packed tensors' 32-bit words x 8 (4-bit)."""
+    return max((int(np.prod(store.shape(n), dtype=np.int64)) * 8 for n in parts.values()
+                if store.dtype(n) in ("I32", "U32")), default=0)
+
+
+def _derive(store: "Store", layout: "Layout", modules: dict, passthrough: list[str]) -> "DerivedWeights":
+    """The converted checkpoint's tensors: the passthrough tensors in the source's shards, each
+    quantized module's float weight (``Layout.weight``) made from its blocks when read. Each
+    module's blocks are made here once (checking the stored values: ranges, non-finite scales,
+    g_idx; a layout's summary counts them), one module at a time, and dropped: what the export
+    plans with (bits, block size, shape, centered zero points) is kept."""
+    from graphkiln.models.derived import DerivedTensor, DerivedWeights
+    from graphkiln.models.prequantized import StoredBlocks
+
+    derived = DerivedWeights(shards={name: store.where[name] for name in passthrough})
+    last = _LastModule(store, layout, modules)
+    for module, parts in sorted(modules.items(), key=lambda mp: store.order(mp[1][layout.anchor])):
+        b = layout.blocks(store, module, parts)
+        blocks = StoredBlocks(b.shape, b.bits, b.block_size, b.format, b.centered,
+                              lambda m=module: layout.blocks(store, m, modules[m]))
+        derived.tensors[f"{module}.weight"] = DerivedTensor(tuple(b.shape), lambda a, z, m=module: last.rows(m, a, z),
+                                                            blocks, _WORK_PER_WEIGHT / 4)
+        del b
+    return derived
+
+
+class _LastModule:
+    """A module's float rows (``Layout.weight``, from its blocks); what the module read last needs
+    (its blocks, or its float weight when the layout keeps its own values) is kept while its rows
+    are read in bands (a table), and dropped once its last row has been read."""
+
+    def __init__(self, store: "Store", layout: "Layout", modules: dict) -> None:
+        self.store, self.layout, self.modules = store, layout, modules
+        self.kept: tuple[str, object] | None = None
+        # the default weight is the blocks' values: rows are dequantized from the blocks' rows
+        self.from_blocks = type(layout).weight is Layout.weight
+
+    def rows(self, module: str, start: int, stop: int) -> np.ndarray:
+        from graphkiln.models.prequantized import BlockQuantized
+
+        parts = self.modules[module]
+        if self.kept is not None and self.kept[0] == module:
+            held = self.kept[1]
+        else:
+            self.kept = None
+            b = self.layout.blocks(self.store, module, parts)
+            held = b if self.from_blocks else self.layout.weight(self.store, module, parts, b)
+            del b
+        n = held.shape[0]
+        self.kept = (module, held) if (start > 0 or stop < n) and stop < n else None
+        if not self.from_blocks:
+            return np.ascontiguousarray(held[start:stop], dtype=np.float32)
+        if start == 0 and stop >= n:
+            return held.dequantize()
+        return BlockQuantized(held.codes[start:stop], held.scales[start:stop], held.zero_points[start:stop],
+                              held.bits, held.block_size, held.format).dequantize()
+
+
+def _write(src: Path, dest: Path, raw: dict) -> None:
+    """The converted directory's files: the source's non-weight files, by checkpoint_files' rules
+    (links inside only), and config.json without its quantization_config."""
+    for path in _copied(src):
         with checkpoint_files.open_file(path, src, _COPY_FIX) as f, open(dest / path.name, "wb") as out:
             shutil.copyfileobj(f, out)
     config = {k: v for k, v in raw.items() if k != "quantization_config"}
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    # tensors in the source's order, each quantized module's weight where its packed weight was
-    anchor = {parts[layout.anchor]: module for module, parts in modules.items()}
-    order = sorted([*passthrough, *anchor], key=lambda n: (store.order(n), n))
-    writer = ShardWriter(dest)
-    blocks = {}
-    for name in order:
-        if name in anchor:
-            module = anchor[name]
-            b = layout.blocks(store, module, modules[module])
-            blocks[f"{module}.weight"] = b
-            writer.add(f"{module}.weight", _torch(layout.weight(store, module, modules[module], b)))
-        else:
-            writer.add(name, store.tensor(name))
-    writer.close()
-    write_sidecar(dest, blocks)
-
-
-def _torch(a: np.ndarray):
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _nesting(value) -> int:

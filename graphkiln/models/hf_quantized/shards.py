@@ -1,5 +1,5 @@
-"""The source checkpoint's safetensors shards, read one tensor at a time (``Store``), and the
-converted checkpoint's shards, written as transformers writes them (``ShardWriter``)."""
+"""The source checkpoint's safetensors shards, read one tensor at a time (``Store``). Nothing is
+written: the converted checkpoint reads its tensors from here (``models.derived``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from graphkiln.errors import GraphkilnError
 from graphkiln.models import checkpoint_files
 from graphkiln.untrusted import show
 
-# An output shard is written once it holds this many bytes (dequantized weights are float32).
-SHARD_BYTES = 2 << 30
+# safetensors dtypes read with plain reads (others through safetensors itself)
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class Store:
@@ -35,8 +37,9 @@ class Store:
         self.where: dict[str, Path] = {}
         self.headers: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._order: dict[str, tuple[int, int]] = {}
-        self.handles: dict[Path, object] = {}
+        self.offsets: dict[Path, tuple[int, dict]] = {}  # shard -> (data start, header entries)
         for i, shard in enumerate(shards):
+            f = None
             try:
                 f = safe_open(str(shard), framework="pt")
                 for j, name in enumerate(f.keys()):
@@ -53,7 +56,9 @@ class Store:
             except Exception as exc:  # safetensors raises several types for corrupt headers
                 raise GraphkilnError(f"{show(shard.name)} is truncated or corrupt ({show(str(exc), 160)}): "
                                      "re-download or re-save the checkpoint") from None
-            self.handles[shard] = f
+            finally:
+                del f  # no handle kept: its memory map would hold every page read until closed
+            self.offsets[shard] = _data_offsets(shard)
 
     @property
     def names(self) -> list[str]:
@@ -69,11 +74,32 @@ class Store:
         return self.headers[name][1]
 
     def tensor(self, name: str):
-        """The stored torch tensor, as it is."""
+        """The stored torch tensor, as it is, read into new memory with plain reads (not through
+        safetensors' memory map, whose pages stay mapped, and counted, until it is closed)."""
+        import torch
+
+        shard = self.where[name]
+        base, entries = self.offsets[shard]
+        dtype, shape = self.headers[name]
+        kind = getattr(torch, _TORCH_DTYPES[dtype], None) if dtype in _TORCH_DTYPES else None
         try:
-            return self.handles[self.where[name]].get_tensor(name)
+            if kind is None:  # a dtype read through safetensors itself, its map closed after
+                from safetensors import safe_open
+
+                with safe_open(str(shard), framework="pt") as f:
+                    return f.get_tensor(name).clone()
+            begin, end = entries[name]["data_offsets"]
+            out = torch.empty(shape, dtype=kind)
+            if end - begin != out.numel() * out.element_size():
+                raise ValueError(f"{end - begin} bytes for shape {list(shape)}")
+            with open(shard, "rb") as f:
+                f.seek(base + begin)
+                got = f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) if end > begin else 0
+            if got != end - begin:
+                raise ValueError("the file ends before the tensor")
+            return out
         except Exception as exc:
-            raise GraphkilnError(f"checkpoint tensor {show(name)} cannot be read from {show(self.where[name].name)} "
+            raise GraphkilnError(f"checkpoint tensor {show(name)} cannot be read from {show(shard.name)} "
                                  f"({show(str(exc), 160)}): re-download or re-save the checkpoint") from None
 
     def ints(self, name: str) -> np.ndarray:
@@ -96,46 +122,16 @@ class Store:
         return a
 
     def close(self) -> None:
-        self.handles.clear()
+        """Nothing is held open (every read opens its shard)."""
 
 
-class ShardWriter:
-    """Output shards of at most ``SHARD_BYTES``: model.safetensors, or model-0000i-of-0000n with an
-    index, as transformers writes them."""
+def _data_offsets(shard: Path) -> tuple[int, dict]:
+    """A shard's (data start, header entries), its header already validated by safetensors."""
+    import struct
 
-    def __init__(self, dest: Path) -> None:
-        self.dest = dest
-        self.pending: dict = {}
-        self.bytes = 0
-        self.shards: list[tuple[Path, list[str]]] = []
+    from graphkiln.untrusted import parse_json
 
-    def add(self, name: str, tensor) -> None:
-        self.pending[name] = tensor.contiguous()
-        self.bytes += tensor.numel() * tensor.element_size()
-        if self.bytes >= SHARD_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending and self.shards:
-            return
-        path = self.dest / f".shard-{len(self.shards)}.safetensors.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.shards.append((path, list(self.pending)))
-        self.pending, self.bytes = {}, 0
-
-    def close(self) -> None:
-        self._flush()
-        n = len(self.shards)
-        if n == 1:
-            self.shards[0][0].rename(self.dest / "model.safetensors")
-            return
-        weight_map, total = {}, 0
-        for i, (path, names) in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            total += path.stat().st_size
-            path.rename(self.dest / final)
-            weight_map.update({name: final for name in names})
-        (self.dest / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    with open(shard, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = parse_json(f.read(n), f"{show(shard.name)}'s safetensors header", "re-download or re-save the checkpoint")
+    return 8 + n, header
