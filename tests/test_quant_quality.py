@@ -44,8 +44,8 @@ def test_int4_perplexity_and_size_on_real_weights(real_checkpoint, int4_artifact
     graph = onnx.load(str(int4_artifact / "decoder.onnx"), load_external_data=False).graph
     gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
     head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("lm_head"))
-    reshape = next(n for n in graph.node if n.output[0] == gather.input[0])
-    assert reshape.input[0] == head.input[1] and gather.input[2] == head.input[2]  # tied: one copy of the blocks
+    reshape = next(n for n in graph.node if n.output[0] == gather.input[2])  # tied: one copy of the blocks, the head's
+    assert gather.input[0] == head.input[1] and reshape.input[0] == head.input[2]
 
     text = read_text(None)
     fp32 = artifact_perplexity(Engine.load(real_checkpoint[1], threads=2), text)

@@ -280,16 +280,27 @@ def _gather_block_quantized(node, qw: _Quantized, graph, names) -> list[onnx.Nod
     """``Gather(table, ids)`` -> GatherBlockQuantized over the table's MatMulNBits tensors ``qw``.
 
     The op takes 2-D data ``[V, k_blocks * blob]`` with the blocks on axis 1 and MatMulNBits'
-    own scales and packed zero points. A table only gathered (untied) stores B in that shape
-    (``qw.rows``) and is read as it is. A tied table's B is the head's ``[V, k_blocks, blob]``
-    (MatMulNBits refuses any other shape), reshaped in the graph (onnxruntime-genai's
-    arrangement): every tensor is stored once. onnxruntime folds that Reshape of an initializer
-    into a new one at load, a copy of the blocks in its own memory (measured: 251 MiB of anonymous
-    memory for a Llama-3.1-8B-sized table, none when B is stored 2-D), so an untied table never
-    goes through one. A K that is not a multiple of the block is sliced back.
+    own scales and packed zero points. onnxruntime folds a Reshape of an initializer into a new
+    one at load, a copy in its own memory (measured: 251 MiB of anonymous memory for a
+    Llama-3.1-8B-sized table's blocks), so the blocks are never reshaped in the graph:
+
+    * A table only gathered (untied) stores B in that 2-D shape (``qw.rows``), read as it is.
+    * A tied table's B is the head's ``[V, k_blocks, blob]`` (MatMulNBits refuses any other
+      shape, and ``[V, k_blocks]`` scales). Gathered as 3-D data (blocks on axis 2: one block a
+      row of ``blob`` bytes), its scales ``[V, k_blocks, 1]`` are a Reshape of the head's (the op
+      wants scales of the data's rank), and the rows ``[..., k_blocks, block]`` are reshaped to
+      ``[..., K_padded]``. Every tensor is stored once; the load's folded copy is the scales'
+      (a quarter of the blocks' bytes with fp32 scales), not the blocks'.
+    * A tied table with zero points (asymmetric blocks): MatMulNBits packs two blocks' zero
+      points a byte, which only the 2-D arrangement reads, so B is reshaped to ``[V, -1]``
+      there (onnxruntime-genai's arrangement; the folded copy is the blocks').
+
+    A K that is not a multiple of the block is sliced back.
     """
     stem = node.input[0].replace("/", "_")
     out = []
+    if not qw.rows and not qw.zero_points:
+        return _gather_tied_rows(node, qw, graph, names)
     if qw.rows:
         rows = qw.q
     else:
@@ -308,6 +319,32 @@ def _gather_block_quantized(node, qw: _Quantized, graph, names) -> list[onnx.Nod
         for name, value in zip(bounds, (0, qw.k, -1)):
             _add_initializer(graph, name, np.array([value], np.int64))
         out.append(helper.make_node("Slice", [gathered, *bounds], [node.output[0]], name=names.fresh(f"{stem}/Slice")))
+    return out
+
+
+def _gather_tied_rows(node, qw: _Quantized, graph, names) -> list[onnx.NodeProto]:
+    """``Gather(table, ids)`` -> GatherBlockQuantized over a tied head's symmetric blocks as they
+    are stored (B ``[V, k_blocks, blob]``; ``_gather_block_quantized`` says why)."""
+    stem = node.input[0].replace("/", "_")
+    scales_shape, minus_one = names.fresh(f"{stem}.scales_shape"), names.fresh(f"{stem}.minus_one")
+    _add_initializer(graph, scales_shape, np.array([qw.n, -1, 1], np.int64))
+    _add_initializer(graph, minus_one, np.array([-1], np.int64))
+    scales, ids_shape, rows_shape = (names.fresh(f"{stem}.{what}") for what in ("block_scales", "ids_shape", "rows_shape"))
+    gathered = names.fresh(f"{node.output[0]}.blocks")
+    padded = qw.k % qw.block_size != 0
+    flat = names.fresh(f"{node.output[0]}.padded") if padded else node.output[0]
+    out = [helper.make_node("Reshape", [qw.scales, scales_shape], [scales], name=names.fresh(f"{stem}/ScalesReshape")),
+           helper.make_node("GatherBlockQuantized", [qw.q, node.input[1], scales], [gathered],
+                            name=names.fresh(f"{node.name or stem}/GatherBlockQuantized"), domain=MS_DOMAIN,
+                            gather_axis=0, quantize_axis=2, block_size=qw.block_size, bits=qw.bits),
+           helper.make_node("Shape", [node.input[1]], [ids_shape], name=names.fresh(f"{stem}/IdsShape")),
+           helper.make_node("Concat", [ids_shape, minus_one], [rows_shape], name=names.fresh(f"{stem}/RowsShape"), axis=0),
+           helper.make_node("Reshape", [gathered, rows_shape], [flat], name=names.fresh(f"{stem}/Reshape"))]
+    if padded:
+        bounds = [names.fresh(f"{stem}.{what}") for what in ("slice_start", "slice_end", "slice_axis")]
+        for name, value in zip(bounds, (0, qw.k, -1)):
+            _add_initializer(graph, name, np.array([value], np.int64))
+        out.append(helper.make_node("Slice", [flat, *bounds], [node.output[0]], name=names.fresh(f"{stem}/Slice")))
     return out
 
 
