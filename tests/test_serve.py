@@ -166,7 +166,9 @@ def test_chat_template_matches_transformers(srv, artifact):
     assert r.status_code == 200, r.text
     assert r.json()["prompt_token_ids"] == list(want)
     # the template's raise_exception is a 400 naming the template's own message
-    r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = srv.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]})
     assert r.status_code == 400 and "tool messages are not supported" in r.json()["error"]["message"]
 
 

@@ -27,15 +27,18 @@ from graphkiln.serve.errors import ApiError, clip
 from graphkiln.serve.state import ServerState
 
 
-def constraint(req: S._Sampling, state: ServerState) -> S.OutputConstraint | None:
-    """The request's one output constraint (structured output), or None; two are a 400 naming
-    both, and any on an artifact without tokenizer.json a 400 ``no_tokenizer``."""
-    found = req.constraints()
+def constraint(req: S._Sampling, state: ServerState, tools: S.OutputConstraint | None = None
+               ) -> S.OutputConstraint | None:
+    """The request's one output constraint (structured output, or ``tools``: the chat route's
+    tool-call grammar), or None; two are a 400 naming both, and any on an artifact without
+    tokenizer.json a 400 ``no_tokenizer``."""
+    found = req.constraints() + ([tools] if tools is not None else [])
     if len(found) > 1:
         names = [c.param.split(".")[0] for c in found]
+        also = " (or tool_choice: none)" if tools is not None else ""
         raise ApiError(400, f"{' and '.join(names)} both constrain the output: send only one of response_format, "
-                            "guided_json, guided_regex, guided_grammar, structured_outputs", param=names[1],
-                       code="conflicting_constraints")
+                            f"guided_json, guided_regex, guided_grammar, structured_outputs, tools{also}",
+                       param=names[1], code="conflicting_constraints")
     if found and state.tokenizer is None:
         raise ApiError(400, f"{found[0].param}: structured output needs the artifact's tokenizer.json, and this "
                             "artifact has none", param=found[0].param, code="no_tokenizer")

@@ -39,12 +39,14 @@ from graphkiln.serve.submit import Group
 class Shape:
     """How one route turns a request's events into OpenAI's JSON (whole or as chunks). A family
     subclasses it with ``whole(handle, events)``, ``chunk(event, handle)`` (None: nothing to send
-    yet) and ``usage_chunk(handle, count)``."""
+    yet; a dict, or a list of them) and ``usage_chunk(handle, count)``. ``constraint``: the
+    request's output constraint, which a grammar failing mid-generation is reported against."""
 
     prefix = "cmpl"
 
-    def __init__(self, req, model_name: str, engine) -> None:
+    def __init__(self, req, model_name: str, engine, constraint: S.OutputConstraint | None = None) -> None:
         self.req, self.model, self.tokenizer = req, model_name, engine.tokenizer
+        self.constraint = constraint if constraint is not None else next(iter(req.constraints()), None)
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text_len = 0  # characters of text emitted so far (completions' text_offset)
@@ -84,7 +86,20 @@ def dump(model: BaseModel) -> dict:
         for key in ("token_ids", "prompt_token_ids"):
             if holder.get(key, 0) is None:
                 del holder[key]
+        for said in (holder.get("message"), holder.get("delta")):  # chat: tool calls only when made
+            if isinstance(said, dict) and "tool_calls" in said:
+                if said["tool_calls"] is None:
+                    del said["tool_calls"]
+                elif "delta" in holder:  # a streamed call's pieces carry only what they add (OpenAI's)
+                    said["tool_calls"] = [_present(c) for c in said["tool_calls"]]
     return out
+
+
+def _present(value):
+    """``value`` without its null fields, nested ones too."""
+    if isinstance(value, dict):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    return value
 
 
 async def _cancel_on_disconnect(request: Request, handle) -> None:
@@ -137,7 +152,7 @@ async def _whole(state, group: Group, arrived, shapes: list[Shape], watcher) -> 
             # its LoRA adapter was unloaded while the request waited for a slot: as if never served
             raise ApiError(404, f"{exc}", param="model", code="model_not_found") from None
         if isinstance(exc, GrammarFailed):  # the request's grammar failed, not the server
-            raise refused_constraint(exc, shapes[0].req.constraints()[0]) from None
+            raise refused_constraint(exc, shapes[0].constraint) from None
         raise ApiError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
     finally:
         watcher.cancel()
@@ -195,15 +210,15 @@ async def _sse(state, group: Group, arrived, shapes: list[Shape], watcher) -> As
                 running -= 1
                 continue
             counts[i] += ev.token_id >= 0
-            chunk = shapes[i].chunk(ev, group.handles[i])
-            if chunk is not None:
+            chunks = shapes[i].chunk(ev, group.handles[i])
+            for chunk in [chunks] if isinstance(chunks, dict) else chunks or ():
                 for choice in chunk["choices"]:
                     choice["index"] = i
                 yield data(chunk)
         if shapes[0].req.include_usage:
             yield data(_merged([s.usage_chunk(h, n) for s, h, n in zip(shapes, group.handles, counts)]))
     except GrammarFailed as exc:  # the request's grammar failed: its 400 as the error event
-        yield data(refused_constraint(exc, shapes[0].req.constraints()[0]).body())
+        yield data(refused_constraint(exc, shapes[0].constraint).body())
     except GraphkilnError as exc:
         # the 200 and earlier chunks are already sent: the failure is an error event, then the end
         yield data(S.ErrorBody(error=S.ErrorDetail(message=f"generation failed: {exc}", type="server_error",

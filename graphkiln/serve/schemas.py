@@ -232,11 +232,64 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+# -- tool calling ----------------------------------------------------------------------------
+# OpenAI's tools (functions only), tool_choice, parallel_tool_calls; assistant messages' tool_calls
+# and tool messages' tool_call_id in the history (graphkiln.serve.chat checks how they pair up).
+
+MAX_TOOLS = 128  # OpenAI's own limit on tools in one request
+ToolName = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+ToolCallId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: ``parameters`` the JSON Schema of its arguments (an object
+    schema; absent: no arguments). ``strict``: see docs/serving.md (tool calling)."""
+    model_config = _REQUEST
+    name: ToolName
+    description: StrictStr | None = None
+    parameters: JsonObject | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the reply is a call of it."""
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = _REQUEST
+    name: ToolName
+    arguments: StrictStr  # JSON text of an object, as the API returned it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (as the API returned it)."""
+    model_config = _REQUEST
+    id: ToolCallId
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    # Messages may carry fields a template reads (name, tool_call_id, ...): kept, passed through.
+    # Messages may carry fields a template reads (name, ...): kept, passed through.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant's
+    tool_call_id: ToolCallId | None = None  # a tool message's: the call it answers
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: ``content`` one string (text parts joined)."""
@@ -252,6 +305,9 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -316,9 +372,21 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object valid against the tool's parameters
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the reply is only tool calls
+    tool_calls: list[ToolCall] | None = None  # absent from the JSON when there are none
 
 
 class ChatChoice(BaseModel):
@@ -339,9 +407,24 @@ class ChatCompletion(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # fragments: joined, the call's arguments
+
+
+class ToolCallDelta(BaseModel):
+    """One piece of a streamed call, OpenAI's: the first has ``id``, ``type`` and the name (and
+    empty arguments), the next the arguments; absent fields are left out of the JSON."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # absent from the JSON when there are none
 
 
 class ChatChunkChoice(BaseModel):

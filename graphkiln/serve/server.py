@@ -51,6 +51,7 @@ class ServeConfig:
     speculative: str | None = None  # --speculative ngram[:K]|draft[:K]|off: requests' default (default_speculation)
     draft: str | None = None  # --draft DIR: the draft artifact loaded into the engine (runtime.draft_model)
     draft_cost: float | None = None  # --draft-cost C: Engine.load's draft_cost (None: measured at load)
+    tool_call_parser: str | None = None  # --tool-call-parser NAME (runtime.tools; None: from the chat template)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -178,6 +179,10 @@ def serve(cfg: ServeConfig) -> int:
     name = cfg.model_name or Path(cfg.artifact).resolve().name
     check_adapter_names(cfg.lora, name)
     speculative = default_speculation(cfg.speculative, cfg.draft)
+    if cfg.tool_call_parser is not None:  # a name it does not know: one line, before the load
+        from graphkiln.runtime.tools import by_name
+
+        by_name(cfg.tool_call_parser)
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
@@ -193,7 +198,8 @@ def serve(cfg: ServeConfig) -> int:
         sock.close()
         raise
     server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key, lora_adapters=adapters,
-                                                       lora_updates=cfg.lora_updates, speculative=speculative),
+                                                       lora_updates=cfg.lora_updates, speculative=speculative,
+                                                       tool_call_parser=cfg.tool_call_parser),
                          drain_s=cfg.drain_s, log_level=cfg.log_level)
     scheduler.start()  # sizes the slots, before they are reported
     announce(cfg, name, sock, scheduler.stats().total_slots, speculative)

@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from fastapi import APIRouter
 from pydantic import BaseModel
 
+from graphkiln.runtime import tools
 from graphkiln.runtime.request.chat_template import ChatTemplate
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, Lanes, chars_per_token_bound, min_tokens
@@ -36,6 +37,9 @@ class AppOptions:
     # requests' default speculative decoding, already checked (serve --speculative/--draft:
     # server.default_speculation); None: off unless a request asks
     speculative: str | None = None
+    # the tool-call format (serve --tool-call-parser: a name runtime.tools.by_name takes, "none"
+    # refuses tools); None: the one the chat template writes (runtime.tools.detect), if any
+    tool_call_parser: str | None = None
 
 
 class ServerState:
@@ -48,6 +52,9 @@ class ServerState:
         self.tokenizer = engine.tokenizer  # encodes with the GIL released (runtime.request.tokenizer)
         self.chars_per_token = chars_per_token_bound(self.tokenizer.backend) if self.tokenizer is not None else None
         self.chat = ChatTemplate.load(engine.artifact_dir, files, tokenizer=self.tokenizer)
+        # the chat route's tool calls (runtime.tools): checked by the CLI before the app is made
+        self.tool_format = tools.load(options.tool_call_parser, self.chat.source,
+                                      self.tokenizer.backend if self.tokenizer is not None else None)
         self.lanes = Lanes(options.big_lane_bytes)
         self.created = int(time.time())
         self.draining = False
