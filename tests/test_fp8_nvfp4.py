@@ -11,9 +11,12 @@ transformers' own FP8 loader (``dequantize`` on CPU) is checked to read the same
 
 Checked: NVFP4 into int8 blocks of 16 is exact, so with fp32 activations (accuracy_level 0) the
 artifact is the reference within 1e-4 and greedy tokens equal; FP8 into int8 blocks of 32 is the
-nearest (the summary reports its error), logits within a stated bound, tokens equal; ``--quant
-none`` gives the float artifact of the exact values; NVFP4 ``--quant int4`` is nearest, within a
-wider bound. Malformed checkpoints and formats not read are one ``error:`` line.
+nearest (the summary reports its error), prompt logits within a stated bound of the reference
+(greedy paths of a tiny random model split at near-ties under that noise, as under int8
+activations); ``--quant none`` gives the float artifact of the exact values, tokens equal; NVFP4
+``--quant int4`` is nearest, within a wider bound; compressed-tensors FP8 per channel is checked at
+conversion (its export is the fp8 layout's). Malformed checkpoints and formats not read are one
+``error:`` line.
 """
 
 from __future__ import annotations
@@ -255,8 +258,33 @@ def test_transformers_fp8_loader_reads_the_reference_weights(built):
         assert torch.equal(loaded[k].float(), v), k
 
 
-@pytest.mark.parametrize("name, quant", [("nvfp4", None), ("fp8-block", None), ("ct-fp8-channel", None),
-                                         ("fp8-block", "none")])
+def test_compressed_tensors_fp8_per_channel_converts(built, tmp_path):
+    """compressed-tensors FP8 per channel (bf16 scales [N, 1], a static input_scale): the converted
+    float weights are the stored values exactly, the int8 blocks of 32 within half a step (1/254 of
+    a block's peak) of them, the activation scales dropped; the same layout's export path is the
+    fp8 one's (test_artifact_computes_with_the_stored_values)."""
+    from safetensors.torch import load_file
+
+    from graphkiln.models.hf_quantized import convert_quantized_checkpoint
+
+    q, ref = built("ct-fp8-channel")
+    derived = convert_quantized_checkpoint(q, tmp_path / "converted")
+    try:
+        want = load_file(str(ref / "model.safetensors"))
+        assert not any(n.endswith("input_scale") for n in [*derived.tensors, *derived.shards])
+        assert "int8 blocks of 32" in derived.summary and "relative RMS" in derived.summary
+        for m in _modules():
+            w = want[f"{m}.weight"].numpy()
+            np.testing.assert_array_equal(derived.read(f"{m}.weight"), w, err_msg=m)
+            b = derived.tensors[f"{m}.weight"].blocks.make()
+            assert (b.bits, b.block_size) == (8, 32)
+            peak = np.abs(w).reshape(w.shape[0], -1, 32).max(-1).repeat(32, 1)
+            assert (np.abs(b.dequantize() - w) <= peak / 254 * 1.001 + 1e-12).all(), m
+    finally:
+        derived.close()
+
+
+@pytest.mark.parametrize("name, quant", [("nvfp4", None), ("fp8-block", None), ("fp8-block", "none")])
 def test_artifact_computes_with_the_stored_values(name, quant, exported, prompts, tmp_path):
     """accuracy_level 0 (fp32 activations): NVFP4's int8 blocks and the float (--quant none) artifact
     are the reference within 1e-4; FP8's int8 blocks (nearest) within FP8_INT8_ATOL; greedy tokens
