@@ -267,3 +267,13 @@ def test_hostile_tool_inputs_are_one_400_each(srv, client):
     # the server is unaffected
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+def test_langchain_bind_tools(srv):
+    """LangChain's ``ChatOpenAI(...).bind_tools(...)``: the call comes back as its ``tool_calls``."""
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=srv.url + "/v1", api_key=test_serve.KEY, model=MODEL, temperature=0, max_tokens=90,
+                        max_retries=0)
+    reply = llm.bind_tools([TOOLS[1]], tool_choice="paint").invoke("hi")
+    assert [c["name"] for c in reply.tool_calls] == ["paint"]
+    jsonschema.validate(reply.tool_calls[0]["args"], COLOR)
