@@ -33,8 +33,10 @@ def generation_route(body: type, chunk: type) -> dict[str, Any]:
               "content": {"text/event-stream": {"schema": event}}},
         400: {**_ERROR, "description": "malformed JSON, unknown field, ill-typed or out-of-range value, "
                                        "prompt too long, a response_format/guided_*/structured_outputs "
-                                       "constraint the engine cannot compile (invalid_response_format) or "
-                                       "two of them (conflicting_constraints)"},
+                                       "constraint or tools' schemas the engine cannot compile "
+                                       "(invalid_response_format) or two of them (conflicting_constraints), "
+                                       "tools the model has no call format for (tools_not_supported), a tool "
+                                       "message answering no earlier call"},
         **AUTH,
         404: {**_ERROR, "description": "model not served here (neither the base model nor a loaded LoRA adapter)"},
         413: {**_ERROR, "description": "body over the server's size limit"},
