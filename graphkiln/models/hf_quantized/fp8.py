@@ -165,7 +165,7 @@ class FP8(Layout):
         self.format = fmt
         self.bits, self.block = 8, DEFAULT_BLOCK
         self.stats = BlockError()
-        self._float: tuple[str, np.ndarray] | None = None
+        self.counted: set[str] = set()
 
     # -- quantization_config readers (one per writer) --
     @classmethod
@@ -328,19 +328,15 @@ class FP8(Layout):
         alike = {(1, 1): ((), (1,)), (n, 1): ((n,),)}.get(expected, ())
         self._expect(store, name, FLOAT_DTYPES, None if got in alike else expected, "scales")
 
-    def blocks(self, store: Store, module: str, parts: dict):
-        n, k, bn, bk = self._dims(store, module, parts)
-        tile = self.tile[module]
+    def _bands(self, store: Store, module: str, parts: dict):
+        """(first row, FP8 values as float32, each row's tile scales, the float weight) for bands of
+        ``BAND_ROWS`` rows, the values checked (NaN, float32 overflow) as they are read."""
         import torch
 
+        n, k, bn, bk = self._dims(store, module, parts)
+        role = self.tile[module].role
         stored = store.tensor(parts["weight"])
-        scales = read_positive_scales(store, parts[tile.role], self.method).reshape(math.ceil(n / bn), math.ceil(k / bk))
-        aligned = bk % self.block == 0 or bk >= k  # every block inside one tile column: one stored scale
-        groups = -(-k // self.block)
-        codes = np.empty((n, k), np.uint8)
-        out_scales = np.empty((n, groups), np.float32)
-        dense = np.empty((n, k), np.float32)
-        col_tile = np.minimum(np.arange(groups) * self.block // bk, scales.shape[1] - 1)
+        scales = read_positive_scales(store, parts[role], self.method).reshape(math.ceil(n / bn), math.ceil(k / bk))
         for r0 in range(0, n, BAND_ROWS):
             r1 = min(n, r0 + BAND_ROWS)
             v = stored[r0:r1].to(torch.float32).numpy()
@@ -350,26 +346,40 @@ class FP8(Layout):
             row_scales = scales[np.arange(r0, r1) // bn]  # [R, tiles along K]
             full = np.repeat(row_scales, bk, axis=1)[:, :k] if row_scales.shape[1] > 1 else row_scales
             with np.errstate(over="ignore"):  # an overflow is refused just below
-                dense[r0:r1] = v * full
-            if not np.isfinite(dense[r0:r1]).all():
-                raise GraphkilnError(f"checkpoint tensors {show(parts['weight'])} times {show(parts[tile.role])} "
+                dense = v * full
+            if not np.isfinite(dense).all():
+                raise GraphkilnError(f"checkpoint tensors {show(parts['weight'])} times {show(parts[role])} "
                                      "overflow float32: the scales are out of range; the checkpoint is corrupt")
+            yield r0, v, row_scales, dense
+
+    def blocks(self, store: Store, module: str, parts: dict):
+        n, k, _, bk = self._dims(store, module, parts)
+        aligned = bk % self.block == 0 or bk >= k  # every block inside one tile column: one stored scale
+        groups = -(-k // self.block)
+        codes = np.empty((n, k), np.uint8)
+        out_scales = np.empty((n, groups), np.float32)
+        col_tile = np.minimum(np.arange(groups) * self.block // bk, math.ceil(k / bk) - 1)
+        stats = self.stats if module not in self.counted else BlockError()  # each module counted once
+        for r0, v, row_scales, dense in self._bands(store, module, parts):
+            r1 = r0 + v.shape[0]
             if aligned:
-                c, s = nearest_blocks(v, row_scales[:, col_tile], self.bits, self.block, True, self.stats)
+                c, s = nearest_blocks(v, row_scales[:, col_tile], self.bits, self.block, True, stats)
             else:  # a block spans two tiles' scales: rounded from the float values
-                c, s = nearest_blocks(dense[r0:r1], None, self.bits, self.block, False, self.stats)
+                c, s = nearest_blocks(dense, None, self.bits, self.block, False, stats)
             codes[r0:r1], out_scales[r0:r1] = c, s
-        self.stats.modules += 1
-        self._float = (module, dense)
+        if module not in self.counted:
+            self.counted.add(module)
+            self.stats.modules += 1
         zeros = np.full(out_scales.shape, 1 << (self.bits - 1), np.uint8)
         return make_blocks(codes, out_scales, zeros, self.bits, self.block, self.format, parts["weight"])
 
     def weight(self, store: Store, module: str, parts: dict, blocks) -> np.ndarray:
-        if self._float is None or self._float[0] != module:
-            self.blocks(store, module, parts)
-        dense = self._float[1]
-        self._float = None
-        return dense
+        """``weight * scale`` itself (the blocks only approximate it), made band by band."""
+        n, k, _, _ = self._dims(store, module, parts)
+        out = np.empty((n, k), np.float32)
+        for r0, v, _, dense in self._bands(store, module, parts):
+            out[r0:r0 + v.shape[0]] = dense
+        return out
 
     def summary(self) -> str | None:
         return self.stats.line(f"{self.method} FP8 ({self.format})", self.bits, self.block)

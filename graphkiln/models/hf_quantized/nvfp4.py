@@ -89,7 +89,7 @@ class NVFP4(Layout):
         self.not_converted_key = key
         self.bits, self.block = 8, GROUP
         self.stats = BlockError()
-        self._float: tuple[str, np.ndarray] | None = None
+        self.counted: set[str] = set()
 
     def request(self, bits: int | None, block_size: int | None) -> None:
         self.bits = bits or 8  # the blocks stay NVFP4's 16: its scales' layout (--quant-block-size not used)
@@ -154,7 +154,8 @@ class NVFP4(Layout):
         name = parts["weight_scale_2"]
         self._expect(store, name, ("F32",), None if store.shape(name) in ((), (1,)) else (), "per-tensor scales")
 
-    def blocks(self, store: Store, module: str, parts: dict):
+    def _bands(self, store: Store, parts: dict):
+        """(first row, E2M1 values as float32, their scales [R, K/16]) for bands of rows."""
         n, k = self._dims(store, parts)
         packed = store.tensor(parts["weight"]).numpy()
         block_scales = read_positive_scales(store, parts["weight_scale"], "NVFP4")
@@ -164,27 +165,34 @@ class NVFP4(Layout):
         if not np.isfinite(scale).all():
             raise GraphkilnError(f"checkpoint tensors {show(parts['weight_scale'])} times {show(parts['weight_scale_2'])} "
                                  "overflow float32: the scales are out of range; the checkpoint is corrupt")
-        codes = np.empty((n, k), np.uint8)
-        scales = np.empty((n, k // GROUP), np.float32)
-        dense = np.empty((n, k), np.float32)
         for r0 in range(0, n, BAND_ROWS):  # in bands of rows: a module's temporaries stay small
             r1 = min(n, r0 + BAND_ROWS)
             values = np.empty((r1 - r0, k), np.float32)
             values[:, 0::2] = E2M1[packed[r0:r1] & 0x0F]  # the even input in the low nibble
             values[:, 1::2] = E2M1[packed[r0:r1] >> 4]
-            codes[r0:r1], scales[r0:r1] = nearest_blocks(values, scale[r0:r1], self.bits, GROUP, True, self.stats)
-            dense[r0:r1] = values * np.repeat(scale[r0:r1], GROUP, axis=1)
-        self.stats.modules += 1
-        self._float = (module, dense)
+            yield r0, values, scale[r0:r1]
+
+    def blocks(self, store: Store, module: str, parts: dict):
+        n, k = self._dims(store, parts)
+        codes = np.empty((n, k), np.uint8)
+        scales = np.empty((n, k // GROUP), np.float32)
+        stats = self.stats if module not in self.counted else BlockError()  # each module counted once
+        for r0, values, scale in self._bands(store, parts):
+            r1 = r0 + values.shape[0]
+            codes[r0:r1], scales[r0:r1] = nearest_blocks(values, scale, self.bits, GROUP, True, stats)
+        if module not in self.counted:
+            self.counted.add(module)
+            self.stats.modules += 1
         zeros = np.full(scales.shape, 1 << (self.bits - 1), np.uint8)
         return make_blocks(codes, scales, zeros, self.bits, GROUP, "modelopt:nvfp4", parts["weight"])
 
     def weight(self, store: Store, module: str, parts: dict, blocks) -> np.ndarray:
-        if self._float is None or self._float[0] != module:
-            self.blocks(store, module, parts)
-        dense = self._float[1]
-        self._float = None
-        return dense
+        """``e2m1 * scale`` itself (int4 blocks only approximate it), made band by band."""
+        n, k = self._dims(store, parts)
+        out = np.empty((n, k), np.float32)
+        for r0, values, scale in self._bands(store, parts):
+            out[r0:r0 + values.shape[0]] = values * np.repeat(scale, GROUP, axis=1)
+        return out
 
     def summary(self) -> str | None:
         return self.stats.line("modelopt NVFP4", self.bits, GROUP)
