@@ -121,7 +121,8 @@ def _export_decoder(plan: GraphPlan, ctx: ExportContext) -> ExportedGraph:
     cfg, t1 = ctx.cfg, time.perf_counter()
     # a quantized single-target export rewrites the data file anyway: the weights are made there,
     # once, quantized on the way (external_data.defer), never written in full precision first
-    defer = bool(ctx.opts.quant) and ctx.targets == ("onnxruntime",)
+    # (an MXFP4 checkpoint's experts too: models.mxfp4, made as QMoE blocks there)
+    defer = bool(ctx.opts.quant or getattr(ctx.opts, "expert_quant", None)) and ctx.targets == ("onnxruntime",)
     try:
         traced = export_decoder(ctx.decoder, ctx.out_dir, ctx.opts.opset, defer_weights=defer,
                                 progress=bool(ctx.opts.progress))

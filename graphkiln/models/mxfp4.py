@@ -286,19 +286,23 @@ def check_checkpoint(src: Path) -> None:
         reader.close()
 
 
-def export_quant(quant: str | None, targets: tuple[str, ...], dtype: str, say=lambda msg: None) -> str:
-    """The ``--quant`` an MXFP4 checkpoint exports with: its experts become onnxruntime ``QMoE``
-    blocks of that width (int8 exact, int4 approximate), the other Linear layers follow ``--quant``
-    as usual; without ``--quant``, int4 (gpt-oss-20b then fits a 24 GiB machine). Other targets and
-    bf16 are refused: they would hold the experts in float (docs/quantization.md)."""
+def export_quant(quant: str | None, expert_quant: str | None, targets: tuple[str, ...], dtype: str,
+                 say=lambda msg: None) -> tuple[str | None, str]:
+    """(``--quant``, ``--expert-quant``) an MXFP4 checkpoint exports with: its experts become
+    onnxruntime ``QMoE`` blocks of ``expert_quant`` (int8 exact, int4 approximate; default
+    ``quant``'s width), the other Linear layers follow ``--quant`` as usual. With neither, both are
+    int4 (a quantized checkpoint stays quantized; gpt-oss-20b then loads in ~11 GiB). Other targets
+    and bf16 are refused: they would hold the experts in float (docs/quantization.md)."""
     if targets != ("onnxruntime",):
         raise GraphkilnError(f"MXFP4 checkpoints export to --target onnxruntime only for now (asked: {','.join(targets)}; "
                              "the tensorrt target's MXFP4 plugin is not written): use --target onnxruntime")
     if dtype not in ("fp32", "fp16"):
         raise GraphkilnError(f"MXFP4 checkpoints export with --dtype fp32 or fp16 (onnxruntime's QMoE has no CPU "
                              f"kernel for {dtype}): use --dtype fp32")
-    if quant is None:
+    if quant is None and expert_quant is None:
         say("      the checkpoint stores MXFP4 experts: exporting as --quant int4 (experts as int4 QMoE blocks; "
-            "--quant int8 keeps them exact)")
-        return "int4"
-    return quant
+            "--expert-quant int8 keeps them exact)")
+        return "int4", "int4"
+    if quant == "none":
+        quant = None
+    return quant, expert_quant or quant or "int4"

@@ -36,6 +36,17 @@ before the routing weight. Per graphkiln activation:
 The expert biases are passed only when they are not all-zero initializers, so bias-free
 models lower to exactly the graph they did before the op had biases.
 
+MXFP4 experts (gpt-oss in the Hub's form, ``models.mxfp4``) are lowered to ``com.microsoft.QMoE``
+instead, with the same routing: when a node's ``gate_up`` and ``down`` are deferred streamed weights
+whose checkpoint source is MXFP4 blocks, fc1/fc2 become QMoE blocks of 32 along K (``expert_bits``
+8: exact, the E2M1 values times two as int8 codes; 4: each block's step chosen by least squares,
+approximate), made from the blocks one expert at a time as the data file is written; the float
+experts are never made. fc1 keeps the checkpoint's row order, which is QMoE's interleaved gate/up
+(``swiglu_fusion=1``). onnxruntime 1.32's CPU kernel (measured, scripts/bench_gpt_oss_mxfp4.py):
+int4 blocks run with fp32 activations at ``accuracy_level`` 0 (the dequantized weights exactly),
+int8 blocks always quantize the activations to int8 inside the kernel (no fp32 kernel); its
+``quant_type="fp4"`` takes E8M0 scales on CUDA only (the CPU kernel reads float scales).
+
 Only nodes of the main graph are rewritten. Weight initializers must be in memory (load
 external data first); a ``gate_up`` that is not an initializer is interleaved in the graph.
 """
@@ -51,6 +62,8 @@ from graphkiln.ops.spec import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
 MOE_OP = "MoE"
+QMOE_OP = "QMoE"
+QMOE_BLOCK = 32  # QMoE's block along K for MXFP4 experts: the MXFP4 block
 # element types com.microsoft.MoE has CPU kernels for
 _ORT_MOE_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 _FILLER = -1.0e4  # router value of unselected experts (finite in float16; exp underflows to 0)
@@ -60,7 +73,7 @@ _RELU2_ALPHA = 1.0e30  # see the module docstring: makes ORT's SwiGLU on duplica
 _SWIGLU, _RELU2, _SWIGLU_CLAMPED = 0, 1, 2  # graphkiln.ops.moe's activation codes
 
 
-def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None) -> int:
+def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None, expert_bits: int | None = None) -> int:
     """Rewrite every ``graphkiln.MoE`` node of ``model.graph`` for onnxruntime, in place.
 
     Each node becomes fp32 routing in standard ops + one ``com.microsoft.MoE`` (+ a Mul
@@ -76,7 +89,8 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None) -> int:
 
     With ``base_dir`` (where the graph's external data is), a ``gate_up`` stored as external or
     deferred data is not loaded: its interleaved copy is deferred (``external_data.defer``), made
-    from it one tensor at a time when the data file is rewritten.
+    from it one tensor at a time when the data file is rewritten. MXFP4 experts become QMoE
+    nodes of ``expert_bits`` (default 4) blocks (see the module docstring).
     """
     graph = model.graph
     default_opset = _default_opset(model)
@@ -91,7 +105,8 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None) -> int:
     rewritten = 0
     for node in graph.node:
         if node.domain == DOMAIN and node.op_type == MOE_OP:
-            lowered = _lower_node(node, inits, elem_types, names, interleaved, default_opset, graph, base_dir)
+            lowered = _lower_node(node, inits, elem_types, names, interleaved, default_opset, graph, base_dir,
+                                  expert_bits or 4)
             if lowered is not None:
                 new_nodes.extend(lowered)
                 replaced_inputs.update(n for n in node.input if n in inits)
@@ -112,7 +127,7 @@ def lower_moe_for_onnxruntime(model: onnx.ModelProto, base_dir=None) -> int:
 # --------------------------------------------------------------------------- one node
 
 
-def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_dir=None):
+def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_dir=None, expert_bits=4):
     hidden, logits, gate_up, down = node.input[:4]
     bias, gate_up_bias, down_bias = (node.input[i] if len(node.input) > i else "" for i in (4, 5, 6))
     (out,) = node.output
@@ -130,6 +145,12 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
         raise ValueError(f"graphkiln.MoE node {node.name!r}: unknown activation {activation}")
 
     elem = next((elem_types[n] for n in (gate_up, down, hidden) if n in elem_types), None)
+    mxfp4 = _mxfp4_experts(gate_up, down, inits, base_dir)
+    if mxfp4 is not None and (elem not in _ORT_MOE_TYPES or activation == _RELU2):
+        from graphkiln.errors import GraphkilnError
+
+        raise GraphkilnError(f"MXFP4 experts lower to onnxruntime's QMoE, which has no CPU kernel for this model's "
+                             f"type or activation ({node.name}): export with --dtype fp32")
     if elem is not None and elem not in _ORT_MOE_TYPES:
         return None  # no ORT CPU kernel for this type: keep the portable node
 
@@ -173,7 +194,11 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
         router = add("CastLike", [router, hidden])
 
     rows = "doubled" if activation == _RELU2 else "interleaved"
-    fc1 = _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset, base_dir)
+    if mxfp4 is None:
+        fc1 = _fc1_rows(gate_up, rows, inits, names, interleaved, graph, add, const, opset, base_dir)
+    else:
+        fc1 = _qmoe_tensors(gate_up, mxfp4[0], expert_bits, elem, names, graph, base_dir)
+        down = _qmoe_tensors(down, mxfp4[1], expert_bits, elem, names, graph, base_dir)
     fc1_bias = fc2_bias = ""
     if gate_up_bias and not _is_zero_initializer(inits.get(gate_up_bias)):
         fc1_bias = _fc1_rows(_as_elem(gate_up_bias, elem, elem_types, hidden, add), rows, inits, names, interleaved,
@@ -206,15 +231,66 @@ def _lower_node(node, inits, elem_types, names, interleaved, opset, graph, base_
         act = dict(activation_alpha=_RELU2_ALPHA, activation_beta=0.0)
     else:
         act = dict(activation_alpha=1.0, activation_beta=0.0)
-    moe_inputs = [hidden, router, fc1, fc1_bias, down, fc2_bias]
+    if mxfp4 is None:
+        moe_inputs = [hidden, router, fc1, fc1_bias, down, fc2_bias]
+        op, quant = MOE_OP, {}
+    else:  # QMoE: (weights, scales) per projection, blocks of 32 along K, default zero points
+        moe_inputs = [hidden, router, fc1[0], fc1[1], fc1_bias, down[0], down[1], fc2_bias]
+        op, quant = QMOE_OP, dict(expert_weight_bits=expert_bits, block_size=QMOE_BLOCK, accuracy_level=0)
     while not moe_inputs[-1]:  # trailing optional inputs left out, as before the op had biases
         moe_inputs.pop()
     nodes.append(helper.make_node(
-        MOE_OP, moe_inputs, [moe_out], name=names.fresh(f"{prefix}/ort_MoE"),
-        domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=0, **act))
+        op, moe_inputs, [moe_out], name=names.fresh(f"{prefix}/ort_{op}"),
+        domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=0, **act,
+        **quant))
     if scale is not None:
         nodes.append(helper.make_node("Mul", [moe_out, scale], [out], name=names.fresh(f"{prefix}/ort_Mul")))
     return nodes
+
+
+def _mxfp4_experts(gate_up: str, down: str, inits, base_dir):
+    """(gate_up's, down's) MXFP4 sources (``models.mxfp4.Mxfp4Experts``) with the checkpoint reader,
+    when both initializers are deferred streamed weights read from MXFP4 blocks; else None."""
+    if base_dir is None:
+        return None
+    from graphkiln.export.external_data import deferred_producer
+    from graphkiln.export.streamed_weights import is_streamed
+    from graphkiln.models.mxfp4 import requantized_source
+
+    found = []
+    for name in (gate_up, down):
+        init = inits.get(name)
+        if init is None:
+            return None
+        producer = deferred_producer(init, base_dir)
+        if producer is None or not is_streamed(producer) or producer.transform is not None:
+            return None
+        src = requantized_source(producer.weights, producer.weights._own(producer.param))
+        if src is None:
+            return None
+        found.append((producer.weights.reader, src))
+    return tuple(found)
+
+
+def _qmoe_tensors(name: str, found, bits: int, elem, names, graph, base_dir) -> tuple[str, str]:
+    """QMoE (weights, scales) initializers for the MXFP4 expert tensor ``name``, deferred: made from
+    the checkpoint's blocks one expert at a time when the data file is written."""
+    from graphkiln.export.external_data import defer
+    from graphkiln.models.mxfp4 import RequantizedExperts
+
+    reader, src = found
+    made = RequantizedExperts(reader, src, bits, helper.tensor_dtype_to_np_dtype(elem or TensorProto.FLOAT))
+    e, n, k = made.shape
+    out = []
+    for tag, dtype, dims, producer in (("weights", TensorProto.UINT8, (e, n, k * bits // 8), made.weights),
+                                       ("scales", elem or TensorProto.FLOAT, (e, n, k // QMOE_BLOCK), made.scales)):
+        tensor = graph.initializer.add()
+        tensor.name = names.fresh(f"{name}.qmoe_int{bits}_{tag}")
+        tensor.data_type = dtype
+        tensor.dims.extend(dims)
+        defer(tensor, producer, base_dir)
+        out.append(tensor.name)
+    return out[0], out[1]
 
 
 def _as_elem(value, elem, elem_types, hidden, add) -> str:

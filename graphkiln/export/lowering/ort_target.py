@@ -42,7 +42,7 @@ def release_exporter_references() -> None:
 
 def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = None, quant_block_size: int = 32,
                           quant_symmetric: bool = True, say=lambda msg: None, shared_data: bool = False,
-                          quant_method: str = "rtn", quant_inputs=None, progress=None):
+                          quant_method: str = "rtn", quant_inputs=None, progress=None, expert_quant: str | None = None):
     """Rewrite the saved graph for onnxruntime, in place on disk: Attention ->
     com.microsoft.GroupQueryAttention (KV cache written in place), GatedDeltaRule and SsmScan ->
     com.microsoft.LinearAttention, Linear weights -> int4/int8 com.microsoft.MatMulNBits when
@@ -100,7 +100,8 @@ def lower_for_onnxruntime(out_dir: Path, graph, used_ops, quant: str | None = No
         scheme = "symmetric" if quant_symmetric else "asymmetric"
         say(f"      quantizing {stats.summary()} ({quant}, {scheme}, block {quant_block_size}, {quant_method}) "
             "as the data file is written")
-    rewritten = lower_moe_for_onnxruntime(model, base_dir=out_dir) if has_moe else 0
+    rewritten = (lower_moe_for_onnxruntime(model, base_dir=out_dir, expert_bits=QUANT_BITS.get(expert_quant or quant or ""))
+                 if has_moe else 0)  # MXFP4 experts: QMoE blocks of --expert-quant
     if rewritten or quantized or has_deferred(model):  # weights changed: a new data file, streamed from the old one
         t0 = time.perf_counter()
         rewrite_external_data(model, path, extra_data_name=f"{path.name}.onnxruntime.data" if shared_data else None,

@@ -52,6 +52,7 @@ def lower_for_targets(out_dir: Path, traced, used_ops, targets: tuple[str, ...],
             graph, graph_ops = lower_for_onnxruntime(out_dir, graph, used_ops, opts.quant, opts.quant_block_size,
                                                      opts.quant_symmetric, say=say, shared_data=len(targets) > 1,
                                                      quant_method=opts.quant_method, quant_inputs=quant_inputs,
+                                                     expert_quant=getattr(opts, "expert_quant", None),
                                                      progress=bool(getattr(opts, "progress", False)))
             say(f"      lowered for onnxruntime in {time.perf_counter() - t0:.1f}s")
         elif target == "tensorrt":
