@@ -134,7 +134,7 @@ def _derive(store: "Store", layout: "Layout", modules: dict, passthrough: list[s
     for module, parts in sorted(modules.items(), key=lambda mp: store.order(mp[1][layout.anchor])):
         b = layout.blocks(store, module, parts)
         blocks = StoredBlocks(b.shape, b.bits, b.block_size, b.format, b.centered,
-                              lambda m=module: layout.blocks(store, m, modules[m]))
+                              lambda m=module: layout.blocks(store, m, modules[m])) if layout.offers_blocks else None
         derived.tensors[f"{module}.weight"] = DerivedTensor(tuple(b.shape), lambda a, z, m=module: last.rows(m, a, z),
                                                             blocks, _WORK_PER_WEIGHT / 4)
         del b

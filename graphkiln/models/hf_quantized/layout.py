@@ -138,6 +138,11 @@ class Layout:
 
     # Formats whose values are not integer blocks (FP8, NVFP4) choose their blocks on conversion
     # and keep their own values as the float weight; the integer formats keep these defaults.
+    # offers_blocks False: the conversion's blocks only check the stored values, and the export
+    # quantizes the float weight itself (its calibrated quantizer beats blocks chosen without
+    # activations where they cannot be exact: FP8/NVFP4 at --quant int4).
+    offers_blocks = True
+
     def request(self, bits: int | None, block_size: int | None) -> None:
         """The export's ``--quant`` width and ``--quant-block-size`` (None: not given), for formats
         whose blocks are chosen on conversion; the integer formats store their own and ignore it."""
