@@ -49,4 +49,4 @@ class Llama3Json(ToolFormat):
         if required:
             return f"start: {tag} calls\ncalls: {calls}\n"
         # content never starts with "{" (or the tag): that is how a call is told from text
-        return f"start: FREE | {tag} calls\nFREE: /([^{{<\\s]|<[^|]|\\s+[^{{\\s])(?s:.*)/\ncalls: {calls}\n"
+        return f"start: FREE? | {tag} calls\nFREE: /([^{{<\\s]|<[^|]|\\s+[^{{\\s])(?s:.*)/\ncalls: {calls}\n"
