@@ -539,6 +539,23 @@ def test_bad_gguf_is_one_error_line(case, tiny_gguf, tmp_path, capsys, monkeypat
     assert list(scratch.iterdir()) == [], "the conversion left files behind"
 
 
+def test_conversion_without_disk_space_is_refused_before_writing(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """The conversion's preflight (export.preflight.check_conversion): a disk too full for the
+    converted directory's files is one line before anything is written (the free space reported
+    by the OS is the one figure set here; the needs are the conversion's own)."""
+    import shutil
+
+    from graphkiln.export import preflight
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    usage = shutil.disk_usage(scratch)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    export_fails(capsys, tiny_gguf, tmp_path / "out" / "art", "no space left", "converting the GGUF", "TMPDIR")
+    assert list(scratch.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- the real checkpoint
 
 
