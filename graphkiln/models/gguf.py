@@ -353,11 +353,24 @@ def _stored_blocks(path: Path, layout: "Layout", t: "TensorInfo", rows, processo
     float32 product, checked all the same)."""
     from graphkiln.models.derived import read_exact
 
+    from graphkiln.models.prequantized import BlockQuantized
+
     raw = read_exact(path, layout.data_start + t.offset, t.nbytes, name).reshape(t.shape[0], -1)
-    b = exact_blocks(raw, t, rows(0, t.shape[0]), processor, mapping)
+    b = exact_blocks(raw, t, None, processor, mapping)
+    del raw
+    n, k = t.shape
+    step = max(1, _CHECK_BAND_BYTES // (k * 4))  # checked a band of rows at a time: a table's floats are never whole
+    for a in range(0, n if b is not None else 0, step):
+        band = BlockQuantized(b.codes[a:a + step], b.scales[a:a + step], b.zero_points[a:a + step], b.bits,
+                              b.block_size, b.format)
+        if not np.array_equal(band.dequantize().view(np.uint32), rows(a, min(n, a + step)).view(np.uint32)):
+            b = None
     if b is None:
         raise GraphkilnError(f"{name}: the blocks of tensor {show(t.name)} do not dequantize to its weights: {_FIX}")
     return b
+
+
+_CHECK_BAND_BYTES = 64 << 20
 
 
 def _stored_bits(qtype: str) -> int | None:
@@ -370,15 +383,15 @@ def _stored_bits(qtype: str) -> int | None:
     return None
 
 
-def exact_blocks(data: np.ndarray, t: "TensorInfo", w: np.ndarray, processor=None, mapping=None):
+def exact_blocks(data: np.ndarray, t: "TensorInfo", w: np.ndarray | None, processor=None, mapping=None):
     """The ``BlockQuantized`` form of a Q4_0 / Q8_0 tensor (its GGUF bytes ``data``) whose float
     weight after transformers' tensor processor is ``w``, or None when the two would not be
-    bit-exact."""
+    bit-exact (``w`` None: not checked here; the caller checks it a band at a time)."""
     from gguf import GGMLQuantizationType
 
     from graphkiln.models.prequantized import BlockQuantized
 
-    n, k = w.shape
+    n, k = w.shape if w is not None else t.shape
     if data.ndim != 2 or data.shape[0] != n or k % 32:
         return None
     q4 = t.qtype == GGMLQuantizationType.Q4_0
@@ -400,7 +413,7 @@ def exact_blocks(data: np.ndarray, t: "TensorInfo", w: np.ndarray, processor=Non
         codes, scales = codes[order[:, 0]], scales[order[:, 0]]
     b = BlockQuantized(np.ascontiguousarray(codes), np.ascontiguousarray(scales),
                        np.full((n, k // 32), zero, np.uint8), 4 if q4 else 8, 32, f"gguf:{t.qtype.name}")
-    if not np.array_equal(b.dequantize().view(np.uint32), w.view(np.uint32)):
+    if w is not None and not np.array_equal(b.dequantize().view(np.uint32), w.view(np.uint32)):
         return None
     return b
 
