@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 from graphkiln.export.custom_ops import registry as R  # noqa: E402
-from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime  # noqa: E402
+from graphkiln.export.lowering.ort_attention import full_length_windows, lower_attention_for_onnxruntime  # noqa: E402
 from graphkiln.manifest import GraphSpec, TensorSpec  # noqa: E402
 from graphkiln.ops.attention import reference, write_rows  # noqa: E402
 from graphkiln.ops.spec import DOMAIN  # noqa: E402
@@ -203,14 +203,16 @@ def test_sinks_go_to_head_sink_and_plain_nodes_lower_as_before(graphs):
     attention = [nd for nd in portable.graph.node if nd.domain == DOMAIN and nd.op_type == "Attention"]
     gqa = [nd for nd in lowered.graph.node if nd.op_type == "GroupQueryAttention"]
     per_token = module.rope_layout == 1
-    for node, lowered_node, (_, has_sinks) in zip(attention, gqa, LAYERS):
+    for node, lowered_node, (window, has_sinks) in zip(attention, gqa, LAYERS):
         sinks = node.input[9]
+        # a sliding layer's GQA rotates at the absolute positions (input 9): its cache is window-sized
+        positions = [node.input[5]] if window and not per_token else []
         if has_sinks:
             assert len(lowered_node.input) == 12 and lowered_node.input[11] == sinks  # fp32 already: no cast
             assert list(lowered_node.input[7:11]) == (["", "", "", ""] if per_token else [node.input[6], node.input[7],
-                                                                                          "", ""])
+                                                                                          *(positions or [""]), ""])
         else:  # the node this pass wrote before sinks existed, and its zero constant is gone
-            assert len(lowered_node.input) == (7 if per_token else 9)
+            assert len(lowered_node.input) == (7 if per_token else 9 + len(positions))
             assert sinks not in {t.name for t in lowered.graph.initializer}
             assert sinks not in {o for nd in lowered.graph.node for o in nd.output}
     onnx.checker.check_model(lowered)
@@ -232,12 +234,14 @@ def test_lowered_sinks_follow_torch_over_prefill_and_decode(graphs):
             want = module(x, pos, *cache_t)
         feeds = {"hidden_states": x.numpy(), "position_ids": pos.numpy(), "seq_lens": np.array(lengths, np.int64),
                  "total_sequence_length": np.array(max(s + n for s, n in zip(starts, lengths)), np.int32)}
+        feeds.update(full_length_windows(feeds))
         feeds.update({f"past_{kind}.{i}": cache_o[2 * i + j] for i in range(len(LAYERS))
                       for j, kind in enumerate(("key", "value"))})
         got = dict(zip(names, sess.run(None, feeds)))
         if step == 0:  # the portable graph (the op's function) on the same step
             portable_out = plain.run(["hidden_out"], {k: v for k, v in feeds.items()
-                                                      if k not in ("seq_lens", "total_sequence_length")})[0]
+                                                      if k not in ("seq_lens", "total_sequence_length",
+                                                                   "window_offset", "window_total_sequence_length")})[0]
             for r, n in enumerate(lengths):
                 assert _rel(portable_out[r, :n], want[0][r, :n].numpy()) <= RTOL, ("portable", r)
         for r, n in enumerate(lengths):  # padding tokens' outputs are not part of the contract
@@ -280,6 +284,6 @@ def test_fp16_sinks_are_cast_to_the_query_type():
     feeds = {"hidden_states": rng.standard_normal((1, 6, HID)).astype(np.float16), "position_ids": pos.numpy()}
     feeds.update({t.name: np.zeros((1, NKV, CACHE, D), np.float16) for t in spec.inputs if t.layer is not None})
     want = _session(model).run(None, feeds)[0]
-    got = _session(lowered).run(None, {**feeds, "seq_lens": np.array([6]),
-                                       "total_sequence_length": np.array(6, np.int32)})[0]
+    lengths = {"seq_lens": np.array([6]), "total_sequence_length": np.array(6, np.int32)}
+    got = _session(lowered).run(None, {**feeds, **lengths, **full_length_windows({**feeds, **lengths})})[0]
     assert got.dtype == np.float16 and _rel(got, want) < 3e-3

@@ -304,7 +304,7 @@ def test_no_moe_is_a_no_op():
 # ragged prefill and decode steps on the lowered graph, with each step's present buffers fed
 # back as the next step's past, against the module in torch.
 
-from graphkiln.export.lowering.ort_attention import lower_attention_for_onnxruntime  # noqa: E402
+from graphkiln.export.lowering.ort_attention import full_length_windows, lower_attention_for_onnxruntime  # noqa: E402
 from graphkiln.manifest import GraphSpec, TensorSpec  # noqa: E402
 
 A_HID, A_NQ, A_NKV, A_D, A_POS, A_CACHE = 32, 4, 2, 16, 64, 16
@@ -444,6 +444,7 @@ def test_per_token_rotary_lowered_matches_torch_over_prefill_and_decode(mrope_gr
         feeds = {"hidden_states": x.numpy(), "position_ids": pos.numpy(), "rope_position_ids": rope.numpy(),
                  "seq_lens": np.array(lengths, np.int64),
                  "total_sequence_length": np.array(max(s + n for s, n in zip(starts, lengths)), np.int32)}
+        feeds.update(full_length_windows(feeds))
         feeds.update({f"past_{kind}.{i}": cache_o[2 * i + j] for i in range(len(A_WINDOWS))
                       for j, kind in enumerate(("key", "value"))})
         got = dict(zip(names, sess.run(None, feeds)))
@@ -484,7 +485,7 @@ def test_per_token_rotary_casts_cos_sin_once_for_every_layer():
     feeds.update({t.name: np.zeros((1, A_NKV, A_CACHE, A_D), np.float16) for t in spec.inputs if t.layer is not None})
     want = _session(model).run(None, feeds)[0]
     lengths = {"seq_lens": np.array([5]), "total_sequence_length": np.array(5, np.int32)}
-    got = _session(lowered).run(None, {**feeds, **lengths})[0]
+    got = _session(lowered).run(None, {**feeds, **lengths, **full_length_windows({**feeds, **lengths})})[0]
     assert got.dtype == np.float16 and _rel(got, want) < 3e-3
 
 

@@ -27,7 +27,8 @@ SLOT_STATE_INPUTS = {out: inp for inp, out in SLOT_STATE_ROLES.items()}  # the o
 LORA_STACK_ROLES = ("lora_a", "lora_b")
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INPUT_ROLES = ("hidden_states", "input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
-               "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length", "pixel_values",
+               "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length",
+               "window_offset", "window_total_sequence_length", "pixel_values",
                "image_grid_thw", "rope_position_ids", "lookahead", "patch_positions", "window_groups", "window_slots",
                "image_groups", "image_slots", "lora_rows", "lora_slots", "lora_a", "lora_b")
 OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
@@ -41,7 +42,7 @@ OUTPUT_ROLES = ("hidden_states", "logits", "next_token", "last_hidden_state", "n
 GRAPH_ROLES = {
     "decoder": (("input_ids", "position_ids", "logits_index", "vision_embeddings", "vision_scatter_indices", "seq_lens",
                  "slot_idx", "past_key", "past_value", "conv_state", "recurrent_state", "total_sequence_length",
-                 "rope_position_ids", "lookahead", "lora_rows", "lora_slots", "lora_a", "lora_b"),
+                 "window_offset", "window_total_sequence_length", "rope_position_ids", "lookahead", "lora_rows", "lora_slots", "lora_a", "lora_b"),
                 ("logits", "next_token", "last_hidden_state", "new_key", "new_value", "new_conv_state",
                  "new_recurrent_state", "present_key", "present_value")),
     # patch_positions .. image_slots: a windowed tower's patch grid and attention groups (runtime.backends.vision_groups)

@@ -96,9 +96,16 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
     total = "total_sequence_length"
     inputs.append(TensorSpec(total, "int32", (), "total_sequence_length"))
     g.input.append(helper.make_tensor_value_info(total, TensorProto.INT32, []))
+    window_offset = window_total = None
+    if any(_attr(n, "window", 0) > 0 for n in targets):  # sliding layers address a window-sized cache
+        window_offset, window_total = "window_offset", "window_total_sequence_length"
+        inputs.append(TensorSpec(window_offset, "int64", ("batch",), "window_offset"))
+        g.input.append(helper.make_tensor_value_info(window_offset, TensorProto.INT64, ["batch"]))
+        inputs.append(TensorSpec(window_total, "int32", (), "window_total_sequence_length"))
+        g.input.append(helper.make_tensor_value_info(window_total, TensorProto.INT32, []))
 
     prologue: list[onnx.NodeProto] = []
-    lengths: dict[str, str] = {}  # position_ids value -> seqlens_k
+    lengths: dict[tuple[str, bool], str] = {}  # (position_ids value, windowed) -> seqlens_k
     casts: dict[tuple[str, int], str] = {}  # (table or per-token cos/sin, type) -> it in the query's type
     renamed: dict[str, TensorSpec] = {}  # old output name -> new output spec
     new_nodes: list[onnx.NodeProto] = []
@@ -109,11 +116,13 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
             new_nodes.append(node)
             continue
         q, k, v, past_k, past_v, pos, cos, sin, _causal, sinks = node.input
-        if pos not in lengths:
-            lengths[pos] = _seqlens_k(prologue, pos, seq_lens, len(lengths))
-        seqlens_k = lengths[pos]
-        elem = types[past_k]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        windowed = attrs["window"] > 0
+        if (pos, windowed) not in lengths:
+            lengths[pos, windowed] = _seqlens_k(prologue, pos, seq_lens, len(lengths),
+                                                window_offset if windowed else None)
+        seqlens_k = lengths[pos, windowed]
+        elem = types[past_k]
         per_token = attrs.get("rope_layout", 0) == 1
         tables = []
         for table in (cos, sin):
@@ -137,7 +146,11 @@ def lower_attention_for_onnxruntime(model: onnx.ModelProto, graph: GraphSpec) ->
                                                   num_heads=heads, interleaved=0))
                 rotated.append(name)
             (q, k), tables, rotary = rotated, [], dict(do_rotary=0)
-        gqa_inputs = [q, k, v, past_k, past_v, seqlens_k, total, *tables]
+        gqa_inputs = [q, k, v, past_k, past_v, seqlens_k, window_total if windowed else total, *tables]
+        if windowed and tables:
+            # GQA's own rotary would take positions from the window-relative lengths: it is given
+            # the absolute ones (input 9, position_ids)
+            gqa_inputs += [""] * (9 - len(gqa_inputs)) + [pos]
         if attrs.get("use_sinks", 0) == 1:
             if types.get(sinks, TensorProto.FLOAT) != elem:
                 key = (sinks, elem)
@@ -222,15 +235,23 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default if a is None else helper.get_attribute_value(a)
 
 
-def _seqlens_k(prologue: list, pos: str, seq_lens: str, i: int) -> str:
-    """Append nodes computing GQA's seqlens_k [B] (start + seq_lens - 1, int32) from position_ids."""
+def _seqlens_k(prologue: list, pos: str, seq_lens: str, i: int, window_offset: str | None = None) -> str:
+    """Append nodes computing GQA's seqlens_k [B] (start + seq_lens - 1, int32) from position_ids;
+    with ``window_offset`` (a sliding layer's window-sized cache) start is relative to the row's
+    cache: position_ids[:, 0] - window_offset."""
     p = f"gqa_lengths.{i}"
     prologue += [
         helper.make_node("Constant", [], [f"{p}.zero"], value=helper.make_tensor("", TensorProto.INT64, [1], [0])),
         helper.make_node("Constant", [], [f"{p}.one"], value=helper.make_tensor("", TensorProto.INT64, [1], [1])),
         helper.make_node("Slice", [pos, f"{p}.zero", f"{p}.one", f"{p}.one"], [f"{p}.start2d"]),
         helper.make_node("Squeeze", [f"{p}.start2d", f"{p}.one"], [f"{p}.start"]),
-        helper.make_node("Add", [f"{p}.start", seq_lens], [f"{p}.total"]),
+    ]
+    start = f"{p}.start"
+    if window_offset is not None:
+        prologue.append(helper.make_node("Sub", [start, window_offset], [f"{p}.window_start"]))
+        start = f"{p}.window_start"
+    prologue += [
+        helper.make_node("Add", [start, seq_lens], [f"{p}.total"]),
         helper.make_node("Sub", [f"{p}.total", f"{p}.one"], [f"{p}.last"]),
         helper.make_node("Cast", [f"{p}.last"], [f"{p}.seqlens_k"], to=TensorProto.INT32),
     ]
@@ -253,3 +274,13 @@ def _drop_unused_function(model: onnx.ModelProto, name: str) -> None:
         keep_ops = [o for o in model.opset_import if o.domain != DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(keep_ops)
+
+
+def full_length_windows(feeds: dict) -> dict:
+    """The window inputs of a lowered graph fed by a caller that keeps full-length caches (every
+    sliding layer's cache position is its token's position): offsets 0, and the window total is
+    the step's ``total_sequence_length``; from ``feeds`` holding ``position_ids`` and it."""
+    import numpy as np
+
+    return {"window_offset": np.zeros(len(feeds["position_ids"]), np.int64),
+            "window_total_sequence_length": np.asarray(feeds["total_sequence_length"], np.int32)}

@@ -76,14 +76,14 @@ def open_backend(artifact_dir: Path, manifest: Manifest, backend: str, device: s
     spec = manifest.graph("decoder", target) if target else manifest.graph_for("decoder", backend)
     if backend == "onnxruntime" and device == "cpu":
         from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
-        from graphkiln.runtime.backends.state import StatePool
+        from graphkiln.runtime.backends.state import StatePool, takes_window_offset
 
         batched = next((b for b in manifest.batched if (b.graph, b.target) == (spec.name, spec.target)), None)
         if batched_int8 and batched is None:
             raise GraphkilnError(f"the artifact has no batched-step graph for its {spec.target} decoder graph: "
                                  "load it without batched_int8")
         return (DecoderGraph(artifact_dir, spec, threads, spinning, batched=batched if batched_int8 else None),
-                StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype)))
+                StatePool(manifest.states, numpy_dtype(manifest.states[0].dtype), windowed=takes_window_offset(spec)))
     if backend == "onnxruntime":
         from graphkiln.runtime.backends.ort_cuda import open_onnxruntime_cuda
 

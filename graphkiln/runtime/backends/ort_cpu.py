@@ -144,13 +144,67 @@ def _build_session(ort, artifact_dir: Path, graph_file: str, opts):
     appeared while this session was built are released: this session holds them for its life,
     so none is unmapped (and its address reused) meanwhile; builds are serialized in this process
     so that another thread's half-built session's mappings, which it may unmap at any moment, are
-    never among them."""
+    never among them. While it builds, the pages it has read are paged out as it goes
+    (``_PagingOut``), so they never pile up beside its packed copies."""
     with _BUILDING:
         before = {m["start"] for m in file_mappings(artifact_dir)}
-        session = ort.InferenceSession(str(artifact_dir / graph_file), opts, providers=["CPUExecutionProvider"])
+        with _PagingOut(artifact_dir, before):
+            session = ort.InferenceSession(str(artifact_dir / graph_file), opts, providers=["CPUExecutionProvider"])
         release_file_pages(m for m in file_mappings(artifact_dir) if m["start"] not in before)
     trim_heap()  # the build's temporaries (and a batched graph's derived weights' ones)
     return session
+
+
+class _PagingOut:
+    """While a session is built (a ``with`` block): every ``period`` seconds a thread pages out
+    (``madvise(MADV_PAGEOUT)``) this process's mappings of the artifact's files that were not
+    there at the start (``before``: start addresses). onnxruntime maps every external
+    initializer and reads it to pre-pack it; the pages it read stayed resident until the build
+    ended (then ``release_file_pages`` drops them), beside the packed copies: a Llama-3.1-8B int4
+    artifact's load peaked at 5.36 GiB anonymous + 1.16 GiB of its files resident
+    (scripts/bench_load_scale.py). MADV_PAGEOUT, unlike MADV_DONTNEED, never loses data, so
+    it is safe on an address onnxruntime unmapped meanwhile and reused for other memory: clean
+    file pages are dropped (a later read faults them back), anonymous ones stay without swap.
+    /proc/self/maps is read, not smaps (no page-table walk). Linux only; elsewhere a no-op."""
+
+    def __init__(self, directory: Path, before: set[int], period: float = 0.1) -> None:
+        import mmap
+        import sys
+
+        self.prefix = str(Path(directory).resolve()) + "/"
+        self.before, self.period = before, period
+        # MADV_PAGEOUT is 21 on every Linux architecture (uapi mman-common.h); older Pythons lack the name
+        self.advice = getattr(mmap, "MADV_PAGEOUT", 21) if sys.platform.startswith("linux") else None
+        self.stop = threading.Event()
+        self.thread = None
+
+    def __enter__(self) -> "_PagingOut":
+        if self.advice is not None:
+            import ctypes
+
+            self.madvise = ctypes.CDLL(None, use_errno=True).madvise
+            self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self.thread = threading.Thread(target=self._run, name="graphkiln-page-out", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period):
+            try:
+                lines = Path("/proc/self/maps").read_text().splitlines()
+            except OSError:
+                return
+            for line in lines:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(self.prefix):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    if start not in self.before:
+                        self.madvise(start, end - start, self.advice)
 
 
 def check_io(session, spec: GraphSpec) -> None:
@@ -298,6 +352,9 @@ class DecoderGraph:
                  "seq_lens": lengths.astype(np.int64), "slot_idx": slot_idx}
         if "total_sequence_length" in self.names:  # artifacts exported before it was an input lack it
             given["total_sequence_length"] = total_sequence_length(position_ids, lengths)
+        if "window_offset" in self.names:  # sliding layers over window-sized caches (state.StatePool.window_offsets)
+            given["window_offset"], given["window_total_sequence_length"] = pool.window_offsets(
+                position_ids[:, 0], lengths, seq, first_slot)
         if "vision_embeddings" in self.names:
             rows, indices = vision if vision is not None else (self._no_vision_rows, np.zeros(0, np.int64))
             given["vision_embeddings"], given["vision_scatter_indices"] = rows, indices.astype(np.int64)

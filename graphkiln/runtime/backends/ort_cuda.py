@@ -274,6 +274,9 @@ class OrtDeviceDecoder:
         self.names = {t.role: t.name for t in spec.inputs if t.layer is None}  # int64 inputs, on the device
         # GroupQueryAttention reads it in host memory (absent from artifacts exported before it was an input)
         self.total_name = self.names.pop("total_sequence_length", None)
+        # sliding layers addressed by window (export.lowering.ort_attention): this runner keeps full-length
+        # KV, so every offset is 0 and the window total is the total (same host value, bound beside it)
+        self.window_total_name = self.names.pop("window_total_sequence_length", None)
         self.kv_inputs = [(t.role, t.layer, t.name) for t in spec.inputs if t.role in ("past_key", "past_value")]
         self.conv_inputs = {t.layer: t.name for t in spec.inputs if t.role == "conv_state"}
         self.present = {(t.role.replace("present_", "past_"), t.layer): t.name for t in spec.outputs
@@ -317,7 +320,7 @@ class OrtDeviceDecoder:
 
     def _feeds(self, n: int, input_ids, position_ids, logits_index, lengths) -> dict[str, np.ndarray]:
         given = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index,
-                 "seq_lens": lengths, "slot_idx": np.arange(n, dtype=np.int64)}
+                 "seq_lens": lengths, "slot_idx": np.arange(n, dtype=np.int64), "window_offset": np.zeros(n, np.int64)}
         return {name: np.ascontiguousarray(given[role], dtype=np.int64) for role, name in self.names.items()}
 
     def _run_bucket(self, pool: DevicePool, bucket: int, input_ids, position_ids, logits_index, lengths) -> np.ndarray:
@@ -347,7 +350,8 @@ class OrtDeviceDecoder:
         for name, value in self._feeds(n, input_ids, position_ids, logits_index, lengths).items():
             binding.bind_cpu_input(name, value)
         if self.total_name is not None:  # the step's own value: this run is not captured
-            binding.bind_cpu_input(self.total_name, total_sequence_length(position_ids, lengths))
+            for name in filter(None, (self.total_name, self.window_total_name)):
+                binding.bind_cpu_input(name, total_sequence_length(position_ids, lengths))
         _, state_outputs = self._bind_state(binding, pool, n)
         scratch: dict[int, int] = {}  # layer -> rows buffer for this step, freed below
         try:
@@ -420,8 +424,9 @@ class OrtDeviceDecoder:
             # one value for every step this binding replays: the KV buffers' token capacity, which
             # is right for all of them (see capture_total_sequence_length)
             total = capture_total_sequence_length(pool.max_capacity)
-            host_inputs[self.total_name] = (total, ort.OrtValue.ortvalue_from_numpy(total))
-            binding.bind_ortvalue_input(self.total_name, host_inputs[self.total_name][1])
+            for name in filter(None, (self.total_name, self.window_total_name)):
+                host_inputs[name] = (total, ort.OrtValue.ortvalue_from_numpy(total))
+                binding.bind_ortvalue_input(name, host_inputs[name][1])
         addresses.update(self._bind_state(binding, pool, bucket)[0])
         dims = {"batch": bucket, "n_logits": 1, "seq": 1}
         conv_rows = {}

@@ -13,7 +13,9 @@ Copy, not share: a slot's KV is one contiguous ``[kv_heads, capacity, head_dim]`
 (what GroupQueryAttention reads), so a reused prefix is copied into the slot at admission
 (measured on SmolLM2-135M, fp32, 30 layers: 9 ms per 1,000 tokens, against ~1.3 ms of prefill
 per token; ``scripts/bench_prefix.py``) and the store is never read by a graph. Sliding-window layers copy only the
-last ``sliding_window`` positions of the prefix: no later token attends further back.
+last ``sliding_window`` positions of the prefix: no later token attends further back. A pool
+whose sliding layers are window-sized (``state.StatePool``, ``windowed``) holds position p of
+such a layer at row ``p - base`` of the slot: ``save`` and ``load`` take that base per layer.
 
 Memory: the arrays are allocated zeroed at their full size once (``np.zeros``: pages are
 touched only when a block is first written), so the store's resident size grows with use up
@@ -63,37 +65,49 @@ class BlockStore:
 
     def save(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray],
              slot_states: dict[tuple[str, int], np.ndarray], slot: int, blocks: Sequence[int], ids: Sequence[int],
-             snapshot: int | None) -> None:
+             snapshot: int | None, bases: dict[int, int] | None = None) -> None:
         """Copy the slot's positions of blocks ``blocks`` (block indices in its sequence) into block
         ids ``ids`` (pairwise), and with ``snapshot`` (a block id) the slot's conv and recurrent
-        states (``slot_states``, by (kind, layer)) into it."""
+        states (``slot_states``, by (kind, layer)) into it. ``bases``: per window-sized layer, the
+        position its row 0 holds (module docstring); every block saved must lie at or above it."""
         B = self.block_size
         if len(ids):
             idx = np.asarray(ids, np.int64)
             first, k = int(blocks[0]), len(blocks)
             contiguous = list(blocks) == list(range(first, first + k))
-            pos = None if contiguous else (np.asarray(blocks, np.int64)[:, None] * B + np.arange(B)).ravel()
             for layer, store in self.keys.items():
+                base = (bases or {}).get(layer, 0)
+                if first * B < base or (not contiguous and min(blocks) * B < base):
+                    raise RuntimeError(f"block {min(blocks)} of layer {layer} is no longer in its window-sized cache")
                 for src, dst in ((keys[layer], store), (values[layer], self.values[layer])):
-                    rows = src[slot, :, first * B:(first + k) * B] if contiguous else src[slot][:, pos]  # [H, k*B, D]
+                    if contiguous:
+                        rows = src[slot, :, first * B - base:(first + k) * B - base]  # [H, k*B, D]
+                    else:
+                        pos = (np.asarray(blocks, np.int64)[:, None] * B + np.arange(B)).ravel() - base
+                        rows = src[slot][:, pos]
                     dst[idx] = rows.reshape(rows.shape[0], k, B, rows.shape[2]).transpose(1, 0, 2, 3)
         if snapshot is not None:
             for key, store in self.snapshots.items():
                 store[snapshot] = slot_states[key][slot]
 
     def load(self, keys: dict[int, np.ndarray], values: dict[int, np.ndarray],
-             slot_states: dict[tuple[str, int], np.ndarray], slot: int, ids: Sequence[int], snapshot: int | None) -> None:
+             slot_states: dict[tuple[str, int], np.ndarray], slot: int, ids: Sequence[int], snapshot: int | None,
+             window_base: int | None = None) -> None:
         """Copy blocks ``ids`` (the prefix's blocks, in order) into the slot's positions
-        ``[0, len(ids) * block_size)``, and with ``snapshot`` that block's conv and recurrent states into the slot."""
+        ``[0, len(ids) * block_size)``, and with ``snapshot`` that block's conv and recurrent states into the slot.
+        ``window_base``: sliding layers' buffers are window-sized, their row 0 holding that position
+        (a multiple of the block size, at most the first block they read)."""
         B, k = self.block_size, len(ids)
         idx = np.asarray(ids, np.int64)
         for layer, store in self.keys.items():
             window = self.window[layer]
             skip = 0 if window is None else max(0, k - math.ceil(window / B))  # blocks no later token reads
+            base = window_base if window is not None and window_base is not None else 0
             part = idx[skip:]
             for src, dst in ((store, keys[layer]), (self.values[layer], values[layer])):
                 rows = src[part]  # [k', H, B, D]
-                dst[slot, :, skip * B:k * B] = rows.transpose(1, 0, 2, 3).reshape(rows.shape[1], len(part) * B, rows.shape[3])
+                dst[slot, :, skip * B - base:k * B - base] = rows.transpose(1, 0, 2, 3).reshape(
+                    rows.shape[1], len(part) * B, rows.shape[3])
         if snapshot is not None:
             for key, store in self.snapshots.items():
                 slot_states[key][slot] = store[snapshot]

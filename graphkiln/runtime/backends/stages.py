@@ -27,7 +27,7 @@ import numpy as np
 from graphkiln.errors import GraphkilnError
 from graphkiln.manifest import GraphSpec, Manifest
 from graphkiln.runtime.backends.ort_cpu import DecoderGraph, numpy_dtype
-from graphkiln.runtime.backends.state import StatePool
+from graphkiln.runtime.backends.state import StatePool, takes_window_offset
 
 
 def open_stage_graph(artifact_dir: Path, spec: GraphSpec, threads: int | None) -> DecoderGraph:
@@ -58,6 +58,13 @@ class StagedPool:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
+
+    @property
+    def windowed(self) -> bool:
+        return any(p.windowed for p in self.pools)
+
+    def kv_bytes_per_token(self, context: int) -> float:
+        return sum(p.kv_bytes_per_token(context) for p in self.pools)
 
     def reserve(self, slots: int, capacity: int) -> None:
         for p in self.pools:
@@ -158,5 +165,5 @@ def open_staged(artifact_dir: Path, manifest: Manifest, backend: str, device: st
     for stage in manifest.stages:
         spec = manifest.graph(stage.graph, target) if target else manifest.graph_for(stage.graph, backend)
         runners.append(open_stage_graph(artifact_dir, spec, threads))
-        pools.append(StatePool(stage.states, dtype))
+        pools.append(StatePool(stage.states, dtype, windowed=takes_window_offset(spec)))
     return StagedDecoder(runners), StagedPool(pools)

@@ -8,6 +8,21 @@ Layouts (match the manifest's ``StateSpec``), all C-contiguous in the artifact's
         cols]``, the matrix state after the slot's last token. Conv and recurrent states are the
         *slot states*: one row per slot, zeroed on claim, read and written at ``slot_idx``.
 
+Window-sized caches (``windowed``: the decoder graph takes ``window_offset``, the onnxruntime
+target's sliding-window GroupQueryAttention nodes, ``export.lowering.ort_attention``). A sliding
+layer's key and value buffers hold ``window_rows`` positions per slot instead of ``capacity``:
+slot s's row j holds position ``window_base[s] + j``. Before each run ``window_offsets`` makes
+room for the run's new rows by moving the slot's last ``keep`` rows (at least window - 1: all
+that a later token of a sliding layer attends to) to the front when the run would pass the end,
+and returns each row's base, which the graph subtracts from its positions (GQA then masks by the
+relative positions, the same distances). Rows are only ever dropped from below ``start - keep``
+of a run about to start, so a speculative run rolled back to any position at or after its start
+still finds its window (a ring, overwriting as it goes, could not give that back). A run longer
+than ``window_rows - keep`` grows the buffers (copying the live rows, bindings go stale:
+``generation``); ``window_rows`` never exceeds ``capacity``, so short sessions are exactly as
+before. Full-attention layers, and every layer of a non-windowed pool (portable and tensorrt
+graphs, artifacts exported before ``window_offset`` existed), keep ``capacity`` rows.
+
 Lifecycle. The engine owns one ``StatePool`` for its life. ``reserve`` sizes it for a
 generation session (only while no slot is live, so buffers never move under a running
 request); the buffers are views over per-layer backing memory that the pool keeps and only
@@ -104,13 +119,39 @@ class PackedSlots:
         raise NotImplementedError
 
 
+# Positions a windowed pool's sliding buffers hold beyond what a run's window needs, at first
+# (a run longer than this grows them): the scheduler's default step budget (serve --step-tokens).
+WINDOW_STEP_ROWS = 256
+# Positions a windowed buffer keeps below a run's start beyond the window's own: how far a
+# request (or its draft model, request.speculate: up to 16 drafts run one at a time, after the
+# tokens it catches up on) may roll back to before a run it has already made.
+ROLLBACK_ROWS = 32
+
+
+def windowed_layers(states: tuple[StateSpec, ...]) -> dict[int, int]:
+    """Sliding-window attention layers and their windows (the layers a windowed pool keeps
+    window-sized)."""
+    return {layer: s.sliding_window for s in states if s.kind == "kv" and s.sliding_window for layer in s.layers}
+
+
+def takes_window_offset(spec) -> bool:
+    """Whether decoder graph ``spec`` addresses its sliding layers' caches by window (a ``window_offset`` input)."""
+    return any(t.role == "window_offset" for t in spec.inputs)
+
+
 class StatePool(PackedSlots):
-    def __init__(self, states: tuple[StateSpec, ...], dtype: np.dtype) -> None:
+    def __init__(self, states: tuple[StateSpec, ...], dtype: np.dtype, windowed: bool = False) -> None:
+        """``windowed``: keep sliding layers' KV window-sized (module docstring); only for a graph
+        that takes ``window_offset`` (``takes_window_offset``)."""
         self.specs = states
         self.dtype = dtype
         self.slots = 0
         self.capacity = 0
         self.live = 0
+        self.windows = windowed_layers(states) if windowed else {}  # windowed layer -> its window
+        self.window_rows = 0  # positions a windowed layer's buffer holds per slot (this session's)
+        self.window_base = np.zeros(0, np.int64)  # per slot: the position of its row 0 in windowed buffers
+        self.window_step = WINDOW_STEP_ROWS  # rows beyond window_keep a session's windowed buffers start with
         self.generation = 0  # bumped whenever reserve replaces the buffers (bindings to them go stale)
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
@@ -133,13 +174,16 @@ class StatePool(PackedSlots):
             return
         self._check_memory(slots, capacity)
         self.slots, self.capacity = slots, capacity
+        self.window_rows = self._window_rows(capacity)
+        self.window_base = np.zeros(slots, np.int64)
         self.generation += 1
         self.keys, self.values, self.conv, self.recurrent = {}, {}, {}, {}
         for spec in self.specs:
             if spec.kind == "kv":
-                shape = (slots, spec.num_kv_heads, capacity, spec.head_dim)
-                most = slots * spec.num_kv_heads * max(capacity, spec.max_seq_len) * spec.head_dim
                 for layer in spec.layers:
+                    rows = self.window_rows if layer in self.windows else capacity
+                    shape = (slots, spec.num_kv_heads, rows, spec.head_dim)
+                    most = slots * spec.num_kv_heads * max(rows, spec.max_seq_len) * spec.head_dim
                     self.keys[layer] = self._carve(("key", layer), shape, most)
                     self.values[layer] = self._carve(("value", layer), shape, most)
             else:
@@ -151,12 +195,44 @@ class StatePool(PackedSlots):
         """Every conv and recurrent pool by (kind, layer)."""
         return {**{("conv", l): a for l, a in self.conv.items()}, **{("recurrent", l): a for l, a in self.recurrent.items()}}
 
-    def _shapes(self, slots: int, capacity: int) -> dict[tuple[str, int], tuple[int, ...]]:
-        shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer's KV is window-sized (``runtime.request.prefix`` keeps blocks accordingly)."""
+        return bool(self.windows)
+
+    @property
+    def window_keep(self) -> int:
+        """Positions a windowed buffer keeps before a run's start when it makes room: the window
+        less one (all a sliding layer's next token reads), at least a cached block less one
+        (``runtime.request.prefix`` copies a block out after the run that filled it), and
+        ``ROLLBACK_ROWS`` for a speculative rollback to before a run already made."""
+        block = self.store.block_size if self.store is not None else 1
+        return max(max(self.windows.values()), block) - 1 + ROLLBACK_ROWS if self.windows else 0
+
+    def _window_rows(self, capacity: int) -> int:
+        return min(capacity, self.window_keep + self.window_step) if self.windows else 0
+
+    def kv_bytes_per_token(self, context: int) -> float:
+        """Bytes of KV cache per token of one slot at ``context`` positions, as this pool lays it out
+        (a windowed layer holds ``min(context, its buffer)`` of them; an unreserved pool counts the
+        first session's buffers)."""
+        rows = self.window_rows or self._window_rows(context)
+        total = 0
         for spec in self.specs:
             if spec.kind == "kv":
                 for layer in spec.layers:
-                    shapes["key", layer] = shapes["value", layer] = (slots, spec.num_kv_heads, capacity, spec.head_dim)
+                    held = min(context, rows) if layer in self.windows else context
+                    total += 2 * spec.num_kv_heads * spec.head_dim * held
+        return total * self.dtype.itemsize / context
+
+    def _shapes(self, slots: int, capacity: int) -> dict[tuple[str, int], tuple[int, ...]]:
+        shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+        window_rows = self._window_rows(capacity)
+        for spec in self.specs:
+            if spec.kind == "kv":
+                for layer in spec.layers:
+                    rows = window_rows if layer in self.windows else capacity
+                    shapes["key", layer] = shapes["value", layer] = (slots, spec.num_kv_heads, rows, spec.head_dim)
             else:
                 for layer in spec.layers:
                     shapes[spec.kind, layer] = (slots, *spec.slot_shape())
@@ -176,6 +252,11 @@ class StatePool(PackedSlots):
             buf = self._backing.get(key)
             if buf is None or buf.size < size:
                 needed += size * self.dtype.itemsize
+        self._check_bytes(needed, slots, capacity)
+
+    def _check_bytes(self, needed: int, slots: int | None = None, capacity: int | None = None) -> None:
+        slots = self.slots if slots is None else slots
+        capacity = self.capacity if capacity is None else capacity
         available = available_memory()
         if available is not None and needed > available:
             raise GraphkilnError(
@@ -215,12 +296,80 @@ class StatePool(PackedSlots):
         self.store = BlockStore(self.specs, self.dtype, blocks, block_size)
 
     def save_blocks(self, slot: int, blocks, ids, snapshot: int | None = None) -> None:
-        """``BlockStore.save`` from ``slot``."""
-        self.store.save(self.keys, self.values, self.slot_states(), slot, blocks, ids, snapshot)
+        """``BlockStore.save`` from ``slot``. Windowed layers hold positions from the slot's base
+        on; the blocks a request saves always are (``window_keep``)."""
+        self.store.save(self.keys, self.values, self.slot_states(), slot, blocks, ids, snapshot,
+                        self._window_base_of(slot))
 
     def load_blocks(self, slot: int, ids, snapshot: int | None = None) -> None:
-        """``BlockStore.load`` into ``slot`` (a claimed slot, before its first run)."""
-        self.store.load(self.keys, self.values, self.slot_states(), slot, ids, snapshot)
+        """``BlockStore.load`` into ``slot`` (a claimed slot, before its first run); windowed layers
+        get only the prefix's last blocks that their window reads, from the slot's row 0."""
+        base = None
+        if self.windows:
+            B = self.store.block_size
+            base = max(0, len(ids) - math.ceil(max(self.windows.values()) / B)) * B
+            self._grow_window(len(ids) * B - base)
+            self.window_base[slot] = base
+        self.store.load(self.keys, self.values, self.slot_states(), slot, ids, snapshot, base)
+
+    def _window_base_of(self, slot: int) -> dict[int, int]:
+        return {layer: int(self.window_base[slot]) for layer in self.windows}
+
+    # -- window-sized caches ----------------------------------------------------------------
+
+    def window_offsets(self, starts: np.ndarray, lengths: np.ndarray, seq: int, first: int = 0
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """The graph's ``window_offset`` [n] and ``window_total_sequence_length`` for a run of
+        slots first..first+n-1 writing ``seq`` rows each from positions ``starts`` (``lengths``
+        real ones), after making room for them (module docstring). A pool that is not windowed
+        answers zeros and the run's total: positions as they are."""
+        n = len(starts)
+        if not self.windows:
+            return np.zeros(n, np.int64), np.array(int((starts + lengths).max()), np.int32)
+        keep, window = self.window_keep, max(self.windows.values())
+        bases = self.window_base[first:first + n]
+        lost = np.flatnonzero((bases > np.maximum(0, starts - window + 1)) | (starts - bases > self.window_rows))
+        if len(lost):  # never silently: the rows its window reads are gone
+            b = int(lost[0])
+            raise RuntimeError(f"a run from position {int(starts[b])} of slot {first + b} needs positions its "
+                               f"window-sized cache dropped or never held (it holds {int(bases[b])} on)")
+        for b in np.flatnonzero(starts - bases + seq > self.window_rows):  # rows that must make room first
+            slot, start = first + int(b), int(starts[b])
+            base = int(self.window_base[slot])
+            if start - base + seq <= self.window_rows:  # an earlier row's growth made room
+                continue
+            new_base = max(base, start - keep)
+            if new_base > base:  # drop what no later token reads: the rows before start - keep
+                moved = start - new_base
+                for bufs in (self.keys, self.values):
+                    for layer in self.windows:
+                        a = bufs[layer]
+                        a[slot, :, :moved] = a[slot, :, new_base - base:start - base].copy()
+                self.window_base[slot] = new_base
+            self._grow_window(start - new_base + seq)
+        offsets = self.window_base[first:first + n].copy()
+        return offsets, np.array(int((starts - offsets + lengths).max()), np.int32)
+
+    def _grow_window(self, rows: int) -> None:
+        """Make windowed buffers hold at least ``rows`` positions per slot (live rows copied;
+        bindings to the old buffers go stale: ``generation``)."""
+        if rows <= self.window_rows:
+            return
+        if rows > self.capacity:
+            raise RuntimeError(f"a run needs {rows} positions of a pool of {self.capacity}")
+        new_rows = min(self.capacity, max(rows, 2 * self.window_rows))
+        for bufs, kind in ((self.keys, "key"), (self.values, "value")):
+            for layer in self.windows:
+                old = bufs[layer]
+                shape = (old.shape[0], old.shape[1], new_rows, old.shape[3])
+                self._check_bytes(math.prod(shape) * self.dtype.itemsize)
+                new = np.zeros(math.prod(shape), self.dtype)
+                self._backing[kind, layer] = new
+                new = new.reshape(shape)
+                new[: self.live, :, : self.window_rows] = old[: self.live]
+                bufs[layer] = new
+        self.window_rows = new_rows
+        self.generation += 1
 
     # -- slots (claim, release: PackedSlots) -------------------------------------------------
 
@@ -228,11 +377,15 @@ class StatePool(PackedSlots):
         for bufs in (self.conv, self.recurrent):
             for a in bufs.values():
                 a[slot] = 0
+        if self.windows:
+            self.window_base[slot] = 0
 
     def _move_row(self, dst: int, src: int) -> None:
         for bufs in (self.keys, self.values, self.conv, self.recurrent):
             for a in bufs.values():
                 a[dst] = a[src]
+        if self.windows:
+            self.window_base[dst] = self.window_base[src]
 
     def scrub(self, slot: int) -> None:
         """Zero every row of ``slot``. For a request that failed: its rows may hold NaN/Inf, and

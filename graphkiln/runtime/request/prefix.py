@@ -20,6 +20,11 @@ state after its last position (``snapshot``), saved where a run ended exactly at
 end: the end of a prefill chunk (chunks end on block boundaries) and every block filled while
 decoding. Blocks without one still serve inside a longer prefix.
 
+Window-sized caches (a pool whose sliding layers keep only their window: ``backends.state``):
+a block is copied out right after the run that filled it, while the slot still holds it; an
+evicted block of an older part of the chain cannot be copied again, so the chain is then held
+only up to it. A restored prefix gives sliding layers only its last blocks (``BlockStore.load``).
+
 Lifecycle: made by the driver with the store's capacity; ``lookup`` at admission, ``insert``
 after each run; counters read by ``stats``. Single-threaded: the stepping thread owns it.
 """
@@ -115,13 +120,16 @@ class PrefixIndex:
         return Hit(tuple(e[0] for _, e in found), found[-1][1][0] if self.snapshots else None,
                    len(found) * self.block_size)
 
-    def insert(self, keys: Sequence[bytes], snapshot_last: bool) -> tuple[list[tuple[int, int]], int | None]:
+    def insert(self, keys: Sequence[bytes], snapshot_last: bool,
+               first_new: int | None = None) -> tuple[list[tuple[int, int]], int | None]:
         """Hold every block of a chain (``keys``: a sequence's full blocks, all in its slot now)
         and return what to copy: (block index, block id) of each block not held yet (an evicted
         one is taken again), and the block id to write the conv snapshot into when
         ``snapshot_last`` (a run ended at the last block's end) and that block lacks one. The
         chain becomes most recently used, its tail first. Never evicts a block of this chain;
-        stops at the first block it has no room for."""
+        stops at the first block it has no room for. ``first_new``: the slot no longer holds
+        blocks before it (a window-sized cache: ``backends.state``), so an evicted one of those
+        is not taken again and the chain is held only up to it."""
         writes: list[tuple[int, int]] = []
         mine = set(keys)
         snapshot = None
@@ -129,6 +137,8 @@ class PrefixIndex:
         for i, key in enumerate(keys):
             entry = self._blocks.get(key)
             if entry is None:
+                if first_new is not None and i < first_new:
+                    break
                 block = self._take(mine)
                 if block is None:
                     break
@@ -229,7 +239,10 @@ class PrefixCache:
             return
         self._check_epoch()
         self.index.extend_keys(r.keys, (r.prompt_ids + r.tokens)[: full * self.block_size], r.image_spans, r.adapter_salt)
-        writes, snapshot = self.index.insert(r.keys[:full], snapshot_last=cached == full * self.block_size)
+        # a window-sized cache keeps only the blocks from the last run's on (backends.state.window_keep)
+        first_new = r.saved_blocks if getattr(self.pool, "windowed", False) else None
+        writes, snapshot = self.index.insert(r.keys[:full], snapshot_last=cached == full * self.block_size,
+                                             first_new=first_new)
         if writes or snapshot is not None:
             self.pool.save_blocks(r.slot, [b for b, _ in writes], [i for _, i in writes], snapshot)
         r.saved_blocks = full
