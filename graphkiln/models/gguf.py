@@ -1,31 +1,34 @@
 """GGUF files as export input: ``graphkiln export model.gguf -o ART`` (and ``verify --reference model.gguf``).
 
-``convert_gguf`` turns a llama.cpp GGUF file into an ordinary checkpoint directory, which export and
-verify then read like any other (``export.checkpoint.prepared_checkpoint`` calls it into a
-temporary directory):
+``convert_gguf`` turns a llama.cpp GGUF file into a checkpoint directory, which export and verify
+then read like any other (``export.checkpoint.prepared_checkpoint`` calls it into a temporary
+directory and registers the tensors it returns for that directory, ``models.derived``):
 
-* ``model.safetensors``: every tensor *dequantized* to float32 under its Hugging Face name, the very
-  values transformers' own GGUF loader produces (``AutoModelForCausalLM.from_pretrained(dir,
+* The tensors: not written. Each is made when read, from the file's bytes, a band of rows at a
+  time (``_row_reader``): *dequantized* to float32 under its Hugging Face name, the very values
+  transformers' own GGUF loader produces (``AutoModelForCausalLM.from_pretrained(dir,
   gguf_file=...)``): the same bytes through the same ``gguf.dequantize``, the same name map (the
-  gguf package's, as ``get_gguf_hf_weights_map`` applies it) and the same tensor processor, which for
-  ``llama`` GGUFs undoes the row permutation llama.cpp's converter applies to ``attn_q`` /
-  ``attn_k``; ``verify --reference model.gguf`` loads this directory. A tied head (no
-  ``output.weight`` in the file) is not stored. Tensors transformers does not load (``rope_freqs``)
-  are skipped as it skips them.
+  gguf package's, as ``get_gguf_hf_weights_map`` applies it) and the same tensor processor, which
+  for ``llama`` GGUFs undoes the row permutation llama.cpp's converter applies to ``attn_q`` /
+  ``attn_k`` (found once by running the processor on the row indices). ``verify --reference
+  model.gguf`` loads them. A tied head (no ``output.weight`` in the file) is not listed. Tensors
+  transformers does not load (``rope_freqs``) are skipped as it skips them. The conversion reads
+  one row of each tensor (its type must dequantize to floats), nothing more.
 * ``config.json`` (``architectures`` set, no ``quantization_config``), ``generation_config.json`` and
   the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` from the
   file's ``tokenizer.chat_template``) as transformers builds them from the file's metadata.
-* The prequantized sidecar (``models.prequantized``) for the 2-D weights (Linear layers, token
-  embedding, head) stored in a type that maps onto ``MatMulNBits`` exactly, so the artifact computes
-  with the file's own integers:
+* The stored blocks (``models.prequantized.StoredBlocks``, made when the quantizer asks) of the
+  2-D weights (Linear layers, token embedding, head) stored in a type that maps onto
+  ``MatMulNBits`` exactly, so the artifact computes with the file's own integers:
 
   - ``Q4_0``: ``w = d * (q - 8)``, q in 0..15, fp16 d per block of 32 -> codes q, zero point 8,
     scale d (fp16 -> float32 is exact), block 32, 4 bits.
   - ``Q8_0``: ``w = d * q``, q int8 -> codes q + 128, zero point 128, scale d, block 32, 8 bits.
 
   The blocks are permuted like the float rows (the permutation is of rows N, the blocks run along
-  K), and each tensor's ``BlockQuantized.dequantize()`` is checked bit for bit against the float
-  weight written beside it; a tensor that would not match keeps no blocks.
+  K), and each tensor's ``BlockQuantized.dequantize()`` is checked bit for bit against its float
+  rows when the blocks are made, a band at a time (exact by construction: both are one float32
+  product of the same operands; a mismatch is one error line).
 
 * ``Q4_1`` (``w = d * q + m``, fp16 d and m per block of 32) does *not* map: MatMulNBits' integer
   zero points need ``m = -z * d`` with z an integer in 0..15 (then ``d * q + m == (q - z) * d``

@@ -2,12 +2,16 @@
 converted into an ordinary float checkpoint plus the blocks they store (``models.prequantized``).
 
 ``convert_quantized_checkpoint(src, dest)`` (called by ``export.checkpoint.prepared_checkpoint``)
-writes into ``dest``: every file of ``src`` that is not a weight file (tokenizer, generation
-config, chat template...), ``config.json`` without its ``quantization_config``, the float tensors
-as they are, and for each quantized Linear its *dequantized* float32 ``<module>.weight`` ``[out,
-in]`` in place of its integer tensors (biases kept), plus the sidecar holding those weights' exact
-integer codes, scales and zero points. The export then writes the very integers the checkpoint
-stored into ``MatMulNBits``, while transformers (the reference) and the tracer read the floats.
+writes into ``dest`` only every file of ``src`` that is not a weight file (tokenizer, generation
+config, chat template...) and ``config.json`` without its ``quantization_config``, and returns the
+checkpoint's tensors (``models.derived``, registered for ``dest``): the float tensors as they are,
+read in place from ``src``'s shards, and for each quantized Linear its *dequantized* float32
+``<module>.weight`` ``[out, in]`` in place of its integer tensors (biases kept), made from the
+module's blocks each time it is read, with those blocks (exact integer codes, scales and zero
+points) as ``StoredBlocks``. Every module's blocks are made once during the conversion (one at a
+time: that checks the stored values) and dropped. No weight is written and none is held: the
+export then writes the very integers the checkpoint stored into ``MatMulNBits``, while
+transformers (the reference) and the tracer read the floats, a tensor at a time.
 
 The layouts are read as the libraries that write them lay them out; each format's module
 (``gptq``, ``awq``, ``compressed_tensors``) describes its own.
@@ -28,8 +32,8 @@ the export's ``--quant`` width, int8 by default), exact where a block's values a
 int8 always), else the nearest (``Layout.summary`` reports the error), and keep the stored values
 themselves as the float weight (``Layout.weight``).
 
-Modules: ``convert`` (the entry point: plan, check every header, write), ``shards`` (the source's
-safetensors read one tensor at a time; the converted shards written), ``layout`` (what every
+Modules: ``convert`` (the entry point: plan, check every header and block, write the small
+files), ``shards`` (the source's safetensors read one tensor at a time, with plain reads), ``layout`` (what every
 format shares: the ``Layout`` base, the readers of quantization_config values, unpacking int32
 words), ``patterns`` (module-name patterns quantization_config gives), ``gptq``, ``awq``,
 ``compressed_tensors``, ``fp8``, ``nvfp4`` (one format each).
