@@ -15,6 +15,31 @@ def _size(n: int) -> str:
     return ""
 
 
+def _kv_lines(m: Manifest) -> list[str]:
+    """KV bytes per token of one request at 4K and 32K tokens of context as the CPU runtime's pools
+    hold them, where sliding-window layers make it differ from full-length rows: their caches are
+    window-sized for a graph that addresses them so (``runtime.backends.state``)."""
+    import numpy as np
+
+    from graphkiln.runtime.backends.state import StatePool, takes_window_offset
+
+    if not any(s.kind == "kv" and s.sliding_window for s in m.states):
+        return []
+    itemsize = 2 if m.states[0].dtype in ("float16", "bfloat16") else 4
+    targets: dict[str, bool] = {}  # target -> whether its decoder (or a stage of it) addresses windows
+    for g in m.graphs:
+        if g.name == "decoder" or g.name.startswith("stage"):
+            targets[g.target] = targets.get(g.target, False) or takes_window_offset(g)
+    out = []
+    for target, by_window in targets.items():
+        windowed = StatePool(m.states, np.dtype(f"f{itemsize}"), windowed=by_window)
+        sizes = ", ".join(f"{_size(round(windowed.kv_bytes_per_token(n)))}/token at {n // 1024}K tokens"
+                          for n in (4096, 32768))
+        how = "sliding layers window-sized" if windowed.windowed else "full-length rows"
+        out.append(f"kv cache     {sizes}: {how} ({target})")
+    return out
+
+
 def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
     """The summary ``inspect`` prints. ``m`` must be validated (``Manifest.read``); the files it
     lists are stat'ed only after each one is checked to resolve inside ``root`` (a symlink out
@@ -70,6 +95,7 @@ def describe(root: Path, m: Manifest, digest: str | None = None) -> str:
             f"state        {s.kind} on layers {_ranges(s.layers)}: {s.num_kv_heads} kv heads x {s.head_dim}, "
             f"max {s.max_seq_len} tokens, {s.dtype}{window} ({_size(per_token)}/token)"
         )
+    lines.extend(_kv_lines(m))
     for e in m.engines:
         lines.append(f"engine       {e.graph} ({e.target}): {e.file}, TensorRT {e.tensorrt_version} for {e.gpu_name} "
                      f"(sm {e.compute_capability}), batch <= {e.max_batch}, <= {e.max_seq_len} tokens, profiles "

@@ -39,6 +39,10 @@ class _SchedulerCollector(Collector):
                                   value=s.draft_tokens)
         yield CounterMetricFamily(f"{PREFIX}_accepted_draft_tokens", "Speculative draft tokens accepted since start",
                                   value=s.accepted_draft_tokens)
+        kv = getattr(s, "kv_bytes_per_token", None)
+        if kv is not None:  # sliding-window layers' KV is window-sized on the CPU pools (runtime.backends.state)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token", "KV cache bytes per token of one request at the "
+                                    "maximum sequence length, as the state pools hold it", value=kv)
         p = s.prefix
         if p is not None:  # the prefix cache (runtime.request.prefix); absent when it is off
             yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",

@@ -104,6 +104,9 @@ class SchedulerStats:
     prefix: PrefixStats | None = None  # the prefix cache's totals; None when it is off
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # KV cache bytes one request's token takes at the pool's full length (sliding-window layers
+    # window-sized: runtime.backends.state); None for a pool that does not say
+    kv_bytes_per_token: float | None = None
 
 
 class RequestHandle:
@@ -264,6 +267,7 @@ class Scheduler:
         self._batch = StepBatch(engine.prep, engine.decoder, engine.pool, step_tokens=step_tokens, prefix=engine.prefix,
                              joinable=takes(engine.decoder.run, "first_slot"))
         self._total_slots = 0
+        self._kv_bytes_per_token: float | None = None
 
     def start(self) -> None:
         """Size the pool and start the stepping thread (once). The default ``max_batch`` is 16
@@ -291,6 +295,8 @@ class Scheduler:
                         raise
                     slots //= 2
         self._total_slots = pool.slots
+        per_token = getattr(pool, "kv_bytes_per_token", None)  # at the length every slot may reach
+        self._kv_bytes_per_token = per_token(capacity) if per_token is not None and capacity else None
         if self.engine.draft is not None:  # a draft model's cache beside each slot (runtime.draft_model)
             self.engine.draft.reserve(pool.slots, capacity)
         self._thread = threading.Thread(target=self._loop, name="graphkiln-scheduler", daemon=True)
@@ -392,7 +398,8 @@ class Scheduler:
                                   free_slots=self._total_slots - len(b.rows), total_slots=self._total_slots,
                                   prompt_tokens=b.prompt_tokens, generated_tokens=b.generated_tokens,
                                   prefix=b.prefix.stats() if b.prefix is not None else None,
-                                  draft_tokens=b.draft_tokens, accepted_draft_tokens=b.accepted_draft_tokens)
+                                  draft_tokens=b.draft_tokens, accepted_draft_tokens=b.accepted_draft_tokens,
+                                  kv_bytes_per_token=self._kv_bytes_per_token)
 
     def shutdown(self, deadline_s: float) -> None:
         """Stop admitting; queued and running requests go on until they end or ``deadline_s``
