@@ -10,6 +10,7 @@ there:
     chat.py         POST /v1/chat/completions
     tokenize.py     GET /tokenizer_info, POST /tokenize, /detokenize (vLLM's)
     embeddings.py   POST /v1/embeddings
+    responses.py    POST /v1/responses (stateless, prepared as the chat request it means)
 
 and the shared machinery: ``state`` (AppOptions, ServerState), ``errors`` (ApiError),
 ``body`` (reading and parsing a body, validation errors as 400s), ``request_config`` (a
@@ -51,7 +52,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphkiln.serve import admin, chat, completions, embeddings, info, tokenize
+from graphkiln.serve import admin, chat, completions, embeddings, info, responses, tokenize
 from graphkiln.serve import routes as R
 from graphkiln.serve.errors import ApiError
 from graphkiln.serve.state import DEFAULT_MAX_BODY_BYTES, AppOptions, RouteFamily, ServerState
@@ -62,7 +63,7 @@ log = logging.getLogger("graphkiln.serve")
 
 # the route families, in the order their routes are listed (and documented)
 FAMILIES: tuple[RouteFamily, ...] = (info.FAMILY, admin.FAMILY, completions.FAMILY, chat.FAMILY, tokenize.FAMILY,
-                                     embeddings.FAMILY)
+                                     embeddings.FAMILY, responses.FAMILY)
 
 
 def create_app(scheduler, engine, options: AppOptions) -> FastAPI:

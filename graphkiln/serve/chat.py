@@ -11,6 +11,14 @@ message must answer a call an earlier assistant message made (``tool_call_id``).
 through the format's parser: calls become ``message.tool_calls`` (streamed: OpenAI's
 ``delta.tool_calls``, the id, type and name first, then the arguments) with ``finish_reason``
 ``tool_calls``; text that is no call stays content.
+
+Reasoning content (``graphkiln.runtime.reasoning``: the server's format, from the template or
+``--reasoning-parser``): the thinking comes back as ``message.reasoning_content`` (streamed:
+``delta.reasoning_content``) before the tool-call parser reads what is left (``serve.reply``); a
+``response_format`` or tool-call constraint is framed to apply after the thinking
+(``GenerationConfig.constraint_frame``), while vLLM's ``guided_*``/``structured_outputs`` keep
+constraining the whole output, thinking included. ``chat_template_kwargs`` (``enable_thinking``,
+...) and ``reasoning_effort`` are template variables.
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
 
 from graphkiln.runtime import tools as T
-from graphkiln.runtime.request.chat_template import ChatTemplateError
+from graphkiln.runtime.reasoning import ReasoningFormat
+from graphkiln.runtime.request.chat_template import RESERVED, ChatTemplateError
 from graphkiln.runtime.request.constraint import MAX_CHARS
 from graphkiln.runtime.requests import TokenEvent
 from graphkiln.serve import request_config
@@ -33,6 +43,7 @@ from graphkiln.serve import routes as R
 from graphkiln.serve import schemas as S
 from graphkiln.serve.body import parse, read_body
 from graphkiln.serve.errors import ApiError
+from graphkiln.serve.reply import Piece, Reply
 from graphkiln.serve.respond import Shape, dump, finish, respond, tokens
 from graphkiln.serve.state import RouteFamily, ServerState
 from graphkiln.serve.submit import Group, in_lane, submit
@@ -60,9 +71,17 @@ class ToolCalling:
     constraint: S.OutputConstraint | None
     fmt: T.ToolFormat | None
     tools: tuple[T.Tool, ...]
+    reasoning: ReasoningFormat | None = None  # the server's, once the prompt is rendered
+    prompt: str = ""  # the rendered prompt (where the reply starts: inside the thinking or not)
 
     def parser(self) -> T.ToolCallParser | None:
         return self.fmt.parser(self.tools) if self.fmt is not None else None
+
+    def reply(self) -> Reply:
+        """A fresh splitter of this request's reply: reasoning, content, calls (``serve.reply``)."""
+        fmt = self.reasoning
+        return Reply(fmt.session(self.prompt) if fmt is not None else None, self.parser(),
+                     tools_read_raw=fmt is not None and fmt.tools_see_reasoning)
 
 
 def prepare(state: ServerState, body: bytes):
@@ -75,7 +94,7 @@ def prepare(state: ServerState, body: bytes):
     constraint = request_config.constraint(req, state, calling.constraint)
     config = request_config.config(req, req.new_tokens, (req.top_logprobs or 0) if req.logprobs else None, adapter,
                                    constraint, request_config.speculation(req, state))
-    variables = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else None
+    variables = template_variables(req)
     try:
         text = state.chat.render(history(req.messages), variables=variables)
     except ChatTemplateError as exc:
@@ -83,7 +102,35 @@ def prepare(state: ServerState, body: bytes):
     state.check_chars(len(text), "messages")
     ids = state.encode(text, special=False)  # the template already wrote any BOS
     state.check_tokens(len(ids), "messages")
+    fmt = state.reasoning
+    if fmt is not None and constraint is not None and _after_thinking(constraint, fmt):
+        config = dataclasses.replace(config, constraint_frame=fmt.frame(text))
+    calling = dataclasses.replace(calling, reasoning=fmt, prompt=text)
     return req, Group([submit(state, ids, config, "messages", constraint)]), calling
+
+
+def template_variables(req: S.ChatCompletionRequest) -> dict | None:
+    """The template's variables beyond the messages: ``tools``, ``chat_template_kwargs`` (none of
+    ``chat_template.RESERVED``: a 400) and ``reasoning_effort``."""
+    out = dict(req.chat_template_kwargs or {})
+    taken = sorted(RESERVED & set(out))
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs: '{taken[0]}' is the server's to set: leave it out",
+                       param="chat_template_kwargs", code="invalid_value")
+    if req.reasoning_effort is not None:
+        out["reasoning_effort"] = req.reasoning_effort
+    if req.tools:
+        out["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    return out or None
+
+
+def _after_thinking(constraint: S.OutputConstraint, fmt: ReasoningFormat) -> bool:
+    """Whether ``constraint`` applies after the thinking: OpenAI's response_format and tool calls
+    (unless the tool grammar writes the thinking itself); vLLM's guided_* and structured_outputs
+    constrain the whole output, as they say."""
+    if constraint.param == "tools":
+        return not fmt.tools_see_reasoning
+    return constraint.param.startswith("response_format")
 
 
 def tool_calling(req: S.ChatCompletionRequest, state: ServerState) -> ToolCalling:
@@ -168,7 +215,7 @@ class ChatShape(Shape):
     def __init__(self, req, model_name: str, engine, calling: ToolCalling | None = None) -> None:
         calling = calling or ToolCalling(None, None, ())
         super().__init__(req, model_name, engine, calling.constraint)
-        self.parser = calling.parser()  # None: every token's text is content
+        self.reply = calling.reply()  # reasoning, content, calls
         self.calls = 0  # calls sent so far (streamed: their delta index)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -187,13 +234,11 @@ class ChatShape(Shape):
         reason = finish(reason)
         return "tool_calls" if reason == "stop" and self.calls else reason
 
-    def _parsed(self, events: list[TokenEvent], last: bool) -> T.Parsed:
-        if self.parser is None:
-            return T.Parsed("".join(e.text for e in events))
-        out = T.Parsed()
+    def _parsed(self, events: list[TokenEvent], last: bool) -> Piece:
+        out = Piece()
         for ev in events:
-            out += self.parser.feed(ev.text, ev.token_id)
-        return out + self.parser.finish() if last else out
+            out += self.reply.feed(ev.text, ev.token_id)
+        return out + self.reply.finish() if last else out
 
     @staticmethod
     def _call_id() -> str:
@@ -205,7 +250,8 @@ class ChatShape(Shape):
         calls = [S.ToolCall(id=self._call_id(), function=S.ToolCallFunction(name=c.name, arguments=c.arguments))
                  for c in parsed.calls] or None
         content = parsed.content if parsed.content or not calls else None
-        choice = S.ChatChoice(message=S.AssistantMessage(content=content, tool_calls=calls),
+        choice = S.ChatChoice(message=S.AssistantMessage(content=content, tool_calls=calls,
+                                                         reasoning_content=parsed.reasoning or None),
                               logprobs=self._logprobs(events),
                               finish_reason=self._finish(events[-1].finish_reason if events else "length"),
                               token_ids=self.ids(events))
@@ -225,7 +271,8 @@ class ChatShape(Shape):
         type and name with empty arguments, then the arguments), the finish reason, logprobs and
         token ids on the last."""
         parsed = self._parsed([ev], last=ev.finish_reason is not None)
-        deltas = [S.Delta(content=parsed.content)] if parsed.content else []
+        deltas = [S.Delta(reasoning_content=parsed.reasoning)] if parsed.reasoning else []
+        deltas += [S.Delta(content=parsed.content)] if parsed.content else []
         for call in parsed.calls:
             index, self.calls = self.calls, self.calls + 1
             deltas.append(S.Delta(tool_calls=[S.ToolCallDelta(index=index, id=self._call_id(), type="function",

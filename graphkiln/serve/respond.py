@@ -87,6 +87,8 @@ def dump(model: BaseModel) -> dict:
             if holder.get(key, 0) is None:
                 del holder[key]
         for said in (holder.get("message"), holder.get("delta")):  # chat: tool calls only when made
+            if isinstance(said, dict) and said.get("reasoning_content", "") is None:  # and thinking only when done
+                del said["reasoning_content"]
             if isinstance(said, dict) and "tool_calls" in said:
                 if said["tool_calls"] is None:
                     del said["tool_calls"]
@@ -212,7 +214,7 @@ async def _sse(state, group: Group, arrived, shapes: list[Shape], watcher) -> As
             counts[i] += ev.token_id >= 0
             chunks = shapes[i].chunk(ev, group.handles[i])
             for chunk in [chunks] if isinstance(chunks, dict) else chunks or ():
-                for choice in chunk["choices"]:
+                for choice in chunk.get("choices", ()):  # a Responses event has none
                     choice["index"] = i
                 yield data(chunk)
         if shapes[0].req.include_usage:
@@ -232,5 +234,8 @@ async def _sse(state, group: Group, arrived, shapes: list[Shape], watcher) -> As
 
 
 def data(payload: dict) -> str:
-    """One server-sent event of ``payload``'s JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event of ``payload``'s JSON; a Responses event (its ``type`` a string) is
+    named by an ``event:`` line too, as OpenAI's server writes it."""
+    kind = payload.get("type")
+    head = f"event: {kind}\n" if isinstance(kind, str) else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -308,6 +308,11 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # the chat template's own variables (vLLM's): enable_thinking, ...; never messages,
+    # add_generation_prompt or the special tokens (chat_template.RESERVED)
+    chat_template_kwargs: JsonObject | None = None
+    # passed to the template as reasoning_effort (gpt-oss's reads it; OpenAI's field)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -387,6 +392,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the reply is only tool calls
     tool_calls: list[ToolCall] | None = None  # absent from the JSON when there are none
+    reasoning_content: str | None = None  # the thinking (runtime.reasoning); absent when there is none
 
 
 class ChatChoice(BaseModel):
@@ -425,6 +431,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None  # absent from the JSON when there are none
+    reasoning_content: str | None = None  # a piece of the thinking; absent when there is none
 
 
 class ChatChunkChoice(BaseModel):

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from graphkiln.runtime import tools
+from graphkiln.runtime import reasoning, tools
 from graphkiln.runtime.request.chat_template import ChatTemplate
 from graphkiln.serve import schemas as S
 from graphkiln.serve.admission import DEFAULT_BIG_LANE_BYTES, Lanes, chars_per_token_bound, min_tokens
@@ -40,6 +40,9 @@ class AppOptions:
     # the tool-call format (serve --tool-call-parser: a name runtime.tools.by_name takes, "none"
     # refuses tools); None: the one the chat template writes (runtime.tools.detect), if any
     tool_call_parser: str | None = None
+    # the reasoning format (serve --reasoning-parser: a name runtime.reasoning.by_name takes, "none"
+    # splits nothing); None: the one the chat template writes (runtime.reasoning.detect), if any
+    reasoning_parser: str | None = None
 
 
 class ServerState:
@@ -55,6 +58,9 @@ class ServerState:
         # the chat route's tool calls (runtime.tools): checked by the CLI before the app is made
         self.tool_format = tools.load(options.tool_call_parser, self.chat.source,
                                       self.tokenizer.backend if self.tokenizer is not None else None)
+        # the chat and responses routes' reasoning split (runtime.reasoning), checked like tool_format
+        self.reasoning = reasoning.load(options.reasoning_parser, self.chat.source,
+                                        self.tokenizer.backend if self.tokenizer is not None else None)
         self.lanes = Lanes(options.big_lane_bytes)
         self.created = int(time.time())
         self.draining = False

@@ -37,6 +37,10 @@ class ReasoningFormat:
 
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
+    # whether this output's tool calls are parts of one structure with the thinking (harmony: both
+    # are messages), so the tool-call format's grammar writes the thinking itself (no frame around
+    # it) and its parser reads the raw reply (the thinking is the reasoning session's only)
+    tools_see_reasoning: ClassVar[bool] = False
 
     def __init__(self, specials: dict[str, int]) -> None:
         self.specials = specials

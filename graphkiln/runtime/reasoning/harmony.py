@@ -85,6 +85,7 @@ class HarmonySession(ReasoningSession):
 class Harmony(ReasoningFormat):
     name = "harmony"
     aliases = ("gpt_oss", "openai_gptoss")
+    tools_see_reasoning = True  # runtime.tools.harmony: its grammar and parser cover the analysis channel
 
     @classmethod
     def detects(cls, template: str) -> bool:
