@@ -16,6 +16,17 @@ only in the KV cache:
     ``max(start + seq_lens)``, ``runtime.backends.ort_cpu.total_sequence_length``). onnxruntime's CUDA
     GQA reads it in host memory, so computing it in the graph (on the device) made onnxruntime
     copy it to the host inside every step, which CUDA-graph capture refuses;
+  * a graph with a sliding-window node (``window`` > 0) gains ``window_offset`` int64 [batch]
+    and ``window_total_sequence_length`` int32 scalar (roles of the same names): such a node's
+    cache is window-sized, row b's cache row j holding position window_offset[b] + j
+    (``runtime.backends.state``, ``windowed``). Its GQA takes seqlens_k from
+    ``position_ids[:, 0] - window_offset`` and the window total (a host scalar, the step's
+    longest row in those terms) as its total; its window mask works on distances, which the
+    shift keeps; its rotary (``do_rotary=1``) is given the absolute ``position_ids`` (input 9,
+    which onnxruntime 1.32's CPU kernel uses instead of deriving positions from the lengths:
+    measured, ``tests/test_sliding_kv.py``). Offsets 0 and the window total equal to the total
+    address a full-length cache exactly as before (the CUDA runner does that). Full-attention
+    nodes are unchanged;
   * ``new_key.i`` / ``new_value.i`` outputs become ``present_key.i`` / ``present_value.i``
     [batch, kv_heads, cache_len, head_dim], which the runtime binds to the very buffers it
     feeds as ``past_key.i`` / ``past_value.i`` (manifest state update ``"in_place"``).
