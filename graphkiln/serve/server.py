@@ -52,6 +52,7 @@ class ServeConfig:
     draft: str | None = None  # --draft DIR: the draft artifact loaded into the engine (runtime.draft_model)
     draft_cost: float | None = None  # --draft-cost C: Engine.load's draft_cost (None: measured at load)
     tool_call_parser: str | None = None  # --tool-call-parser NAME (runtime.tools; None: from the chat template)
+    reasoning_parser: str | None = None  # --reasoning-parser NAME (runtime.reasoning; None: from the chat template)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -183,6 +184,10 @@ def serve(cfg: ServeConfig) -> int:
         from graphkiln.runtime.tools import by_name
 
         by_name(cfg.tool_call_parser)
+    if cfg.reasoning_parser is not None:
+        from graphkiln.runtime import reasoning
+
+        reasoning.by_name(cfg.reasoning_parser)
     sock = bind(cfg.host, cfg.port)  # first: a taken port fails before a long load
     try:
         engine = Engine.load(cfg.artifact, threads=cfg.threads, expected_digest=cfg.expect_digest, target=cfg.target,
@@ -199,7 +204,8 @@ def serve(cfg: ServeConfig) -> int:
         raise
     server = make_server(scheduler, engine, AppOptions(model_name=name, api_key=cfg.api_key, lora_adapters=adapters,
                                                        lora_updates=cfg.lora_updates, speculative=speculative,
-                                                       tool_call_parser=cfg.tool_call_parser),
+                                                       tool_call_parser=cfg.tool_call_parser,
+                                                       reasoning_parser=cfg.reasoning_parser),
                          drain_s=cfg.drain_s, log_level=cfg.log_level)
     scheduler.start()  # sizes the slots, before they are reported
     announce(cfg, name, sock, scheduler.stats().total_slots, speculative)
