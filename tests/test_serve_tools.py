@@ -277,3 +277,19 @@ def test_langchain_bind_tools(srv):
     reply = llm.bind_tools([TOOLS[1]], tool_choice="paint").invoke("hi")
     assert [c["name"] for c in reply.tool_calls] == ["paint"]
     jsonschema.validate(reply.tool_calls[0]["args"], COLOR)
+
+
+def test_the_tool_call_parser_option_overrides_the_template(artifact):
+    """``--tool-call-parser`` (AppOptions.tool_call_parser): mistral's syntax on a Hermes template;
+    none refuses tools (tool_choice none still renders them)."""
+    with serving(artifact, max_batch=2, tool_call_parser="mistral") as running:
+        r = running.client().chat.completions.create(
+            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=60, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "paint"}}, extra_body={"return_token_ids": True})
+        assert r.choices[0].finish_reason == "tool_calls" and _calls_valid(r.choices[0].message, SCHEMAS)
+        text = httpx.post(running.url + "/detokenize", json={"tokens": r.choices[0].token_ids}).json()["prompt"]
+        assert text.startswith('[TOOL_CALLS][{"name": "paint", "arguments": ')
+    with serving(artifact, max_batch=2, tool_call_parser="none") as running:
+        assert _refused(running, {"tools": TOOLS}, "tools")["code"] == "tools_not_supported"
+        assert running.post("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 2, "tools": TOOLS,
+                                                     "tool_choice": "none"}).status_code == 200
