@@ -894,3 +894,39 @@ def _writer_after(seconds: float, fifos: list[Path]):
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_conversion_that_cannot_fit_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    """The conversion's memory preflight (export.preflight.check_conversion): a GPTQ checkpoint
+    whose sparse shard claims a module too large to unpack in the memory available now (its
+    headers consistent, no byte of it real) is one line, before anything is read or written."""
+    import math
+    import struct
+    import tempfile
+
+    from graphkiln.memory import available_memory
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    k = 4096
+    n = math.ceil(available_memory() / (k * 16) / 8) * 8  # ~24 bytes a weight while unpacked: 1.5x too many
+    module = "model.layers.0.mlp.down_proj"
+    entries = {f"{module}.qweight": ("I32", [k // 8, n], 4), f"{module}.qzeros": ("I32", [k // 128, n // 8], 4),
+               f"{module}.scales": ("F16", [k // 128, n], 2), f"{module}.g_idx": ("I32", [k], 4)}
+    header, offset = {}, 0
+    for name, (dtype, shape, size) in entries.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + math.prod(shape) * size]}
+        offset += math.prod(shape) * size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(ckpt / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+    os.truncate(ckpt / "model.safetensors", 8 + len(text) + offset)  # sparse: no disk
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    export_fails(capsys, ckpt, tmp_path / "out" / "art", "converting the quantized checkpoint", "GiB of memory")
+    assert list(scratch.iterdir()) == []

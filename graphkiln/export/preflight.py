@@ -116,7 +116,7 @@ def check_conversion(needs, dest: Path) -> None:
 
     gib = 2 ** 30
     require_memory(needs.memory, f"{needs.what} (the tools and the largest tensor while its blocks are checked)",
-                   "close other programs, or export on a machine with more memory")
+                   "export on a machine with more memory")
     free = _free_disk(dest)
     if free is not None and needs.disk > free:
         raise GraphkilnError(
