@@ -114,10 +114,15 @@ def _needs(src: Path, store: "Store", modules: dict) -> "ConversionNeeds":
                            "converting the quantized checkpoint")
 
 
+# weights per stored element of a module's packed tensor: int32 words (up to 8 4-bit values), FP8
+# values, NVFP4 bytes (two E2M1 codes)
+_WEIGHTS_PER_ELEMENT = {"I32": 8, "U32": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 2}
+
+
 def _weights_of(store: "Store", parts: dict) -> int:
-    """About the number of weights a module holds: its packed tensors' 32-bit words x 8 (4-bit)."""
-    return max((int(np.prod(store.shape(n), dtype=np.int64)) * 8 for n in parts.values()
-                if store.dtype(n) in ("I32", "U32")), default=0)
+    """About the number of weights a module holds, from its packed tensors (_WEIGHTS_PER_ELEMENT)."""
+    return max((int(np.prod(store.shape(n), dtype=np.int64)) * _WEIGHTS_PER_ELEMENT[store.dtype(n)]
+                for n in parts.values() if store.dtype(n) in _WEIGHTS_PER_ELEMENT), default=0)
 
 
 def _derive(store: "Store", layout: "Layout", modules: dict, passthrough: list[str]) -> "DerivedWeights":
