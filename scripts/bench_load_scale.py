@@ -2,16 +2,24 @@
 memory-bandwidth bound (not a test).
 
     .venv/bin/python scripts/bench_load_scale.py ARTIFACT [--threads 2] [--prompt-tokens 128]
-        [--new-tokens 16] [--repeats 3] [--no-check-files] [--json OUT]
+        [--new-tokens 16] [--repeats 3] [--no-check-files] [--json OUT] [--profile OUT.json]
 
 ``Engine.load`` runs in a fresh child process (nothing else loaded there, so its RSS is the
 engine's): load time (sha256 of every file included unless ``--no-check-files``), RSS after
 load (VmRSS, split into anonymous and file-backed pages), the peak (VmHWM) after load and at
-the end; the artifact's bytes (every file in the directory) and RSS / bytes; then one warm-up
+the end, and the peaks of the anonymous and of the file-backed pages during the load, apart
+(sampled every 20 ms by a thread: file-backed pages are the artifact's, which the kernel can
+reclaim; anonymous ones are what the OOM killer counts); the artifact's bytes (every file in the
+directory) and RSS / bytes; then one warm-up
 request and ``--repeats`` measured ones, each a fresh random ``--prompt-tokens`` prompt
 (prefill: time to the first token) and ``--new-tokens`` greedy tokens (decode tok/s over the
 tokens after the first). The prefix cache is on, as ``Engine.load`` leaves it; the prompts
 share no prefix.
+
+``--profile OUT.json``: afterwards, onnxruntime's profiler on the decoder session (every session
+this process builds is made with profiling on) over one more request of a 4-token prompt and
+``--new-tokens`` tokens; the decode steps' node events (sequence length 1) are summed by op type
+and, for MatMulNBits, by its N x K, into OUT.json and printed (share of the steps' node time).
 
 Bandwidth, in this process (before the child starts and after it ends, so the child's RSS is
 its own; the higher reading is kept, the machine is shared): a copy of a 1 GiB float32 array
@@ -65,13 +73,39 @@ def _child(argv: list[str]) -> int:
     artifact, threads, prompt_tokens, new_tokens, repeats, check_files = (
         argv[0], int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), argv[5] == "1")
     sys.path.insert(0, str(REPO))
+    profile = argv[6] if len(argv) > 6 else ""
     before_import = _status()
+    if profile:
+        import onnxruntime as ort
+
+        class ProfiledOptions(ort.SessionOptions):  # bench only: every session made here profiles
+            def __init__(self) -> None:
+                super().__init__()
+                self.enable_profiling = True
+                self.profile_file_prefix = profile
+
+        ort.SessionOptions = ProfiledOptions
     from graphkiln.runtime import Engine, GenerationConfig
 
     imported = _status()
+    import threading
+
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    loading = threading.Event()
+
+    def sample() -> None:
+        while not loading.wait(0.02):
+            now = _status()
+            for key in peaks:
+                peaks[key] = max(peaks[key], now[key])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t = time.perf_counter()
     engine = Engine.load(artifact, threads=threads, check_files=check_files)
     load_s = time.perf_counter() - t
+    loading.set()
+    sampler.join()
     loaded = _status()
     vocab = engine.manifest.model.vocab_size
     runners = getattr(engine.decoder, "runners", [engine.decoder])  # pipeline stages, or the one graph
@@ -89,11 +123,18 @@ def _child(argv: list[str]) -> int:
     request(min(prompt_tokens, 16), min(new_tokens, 4))  # warm-up: first-run allocations, page faults
     runs = [request(prompt_tokens, new_tokens) for _ in range(repeats)]
     end = _status()
+    profile_file = ""
+    if profile:
+        request(4, new_tokens)
+        # end_profiling writes the file (opened when the session was made) and returns its name
+        made = [Path(r.session.end_profiling()) for r in runners]
+        profile_file = str(max(made, key=lambda p: p.stat().st_size).resolve()) if made else ""
     result = {
         "load_s": load_s, "check_files": check_files, "graph_files": graph_files,
         "rss_before_import": before_import["VmRSS"], "rss_after_import": imported["VmRSS"],
         "rss_after_load": loaded["VmRSS"], "anon_after_load": loaded["RssAnon"], "file_after_load": loaded["RssFile"],
         "peak_after_load": loaded["VmHWM"], "rss_end": end["VmRSS"], "peak_end": end["VmHWM"],
+        "anon_peak_during_load": peaks["RssAnon"], "file_peak_during_load": peaks["RssFile"], "profile_file": profile_file,
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "prefill_s": [r[0] for r in runs], "decode_tok_s": [r[1] for r in runs], "tokens": [r[2] for r in runs],
     }
@@ -185,6 +226,34 @@ def _busy_cpus(seconds: float = 2.0) -> float:
     return (os.cpu_count() or 1) * (1 - (b[1] - a[1]) / max(1, b[0] - a[0]))
 
 
+def decode_profile(path: Path, steps: int) -> dict:
+    """onnxruntime's profile ``path`` (chrome trace JSON): the node events of its last ``steps``
+    runs (``model_run``), summed by op type and, for MatMulNBits, by its weight's N x K."""
+    events = json.loads(path.read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[-steps:]
+    by_op: dict[str, float] = {}
+    by_matmul: dict[str, float] = {}
+    total = 0.0
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        if not any(a <= e["ts"] <= b for a, b in runs):
+            continue
+        args = e.get("args", {})
+        op = args.get("op_name", "?")
+        by_op[op] = by_op.get(op, 0.0) + e["dur"]
+        total += e["dur"]
+        if op == "MatMulNBits":
+            shapes = args.get("input_type_shape", [])
+            b = list(shapes[1].values())[0] if len(shapes) > 1 else []
+            key = f"B {b}"
+            by_matmul[key] = by_matmul.get(key, 0.0) + e["dur"]
+    wall = sum(b - a for a, b in runs)
+    return {"steps": len(runs), "step_ms": wall / max(len(runs), 1) / 1e3, "node_ms_per_step": total / max(len(runs), 1) / 1e3,
+            "by_op_ms_per_step": {k: v / len(runs) / 1e3 for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "matmulnbits_by_weight_ms_per_step": {k: v / len(runs) / 1e3 for k, v in sorted(by_matmul.items(), key=lambda kv: -kv[1])}}
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.3f}"
 
@@ -200,6 +269,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measured requests (median reported, best in brackets)")
     ap.add_argument("--no-check-files", action="store_true", help="skip the sha256 of every file at load")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--profile", type=Path, help="onnxruntime profile of one request's decode steps, summed, written here")
     args = ap.parse_args()
     art = args.artifact.resolve()
     manifest = json.loads((art / "manifest.json").read_text())
@@ -209,12 +279,19 @@ def main() -> int:
     bw = [measure_bandwidth(args.threads)]
     cmd = [sys.executable, str(Path(__file__).resolve()), "_child", str(art), str(args.threads), str(args.prompt_tokens),
            str(args.new_tokens), str(args.repeats), "0" if args.no_check_files else "1"]
+    if args.profile:
+        cmd.append(str(args.profile.resolve().with_suffix("")) + "-ort")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("@@RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         return 1
     child = json.loads(lines[-1][len("@@RESULT "):])
+    profile = None
+    if args.profile and child.get("profile_file"):
+        profile = decode_profile(Path(child["profile_file"]), args.new_tokens - 1)
+        args.profile.write_text(json.dumps(profile, indent=2))
+        Path(child["profile_file"]).unlink()
     per_graph = [weight_bytes(art / f) for f in child["graph_files"]]  # the graphs the engine runs
     weights = {k: sum(w[k] for w in per_graph) for k in ("initializer_bytes", "bytes_per_token")}
     bw.append(measure_bandwidth(args.threads))
@@ -243,6 +320,7 @@ def main() -> int:
                                                       f"{_gib(r['file_after_load'])})"),
         ("RSS after load / artifact bytes", f"{r['rss_ratio']:.3f}x"),
         ("peak RSS during load", f"{_gib(r['peak_after_load'])} GiB"),
+        ("peaks during load: anonymous / file-backed (apart)", f"{_gib(r['anon_peak_during_load'])} / {_gib(r['file_peak_during_load'])} GiB"),
         ("peak RSS at the end / artifact bytes", f"{_gib(r['peak_end'])} GiB, {r['peak_ratio']:.3f}x"),
         (f"prefill {args.prompt_tokens} tokens (median)", f"{r['prefill_ms']:.0f} ms"),
         (f"decode tok/s over {args.new_tokens} tokens, median (best) of {args.repeats}", f"{decode:.2f} ({r['decode_best']:.2f})"),
@@ -253,6 +331,13 @@ def main() -> int:
     ]
     for name, value in rows:
         print(f"| {name} | {value} |")
+    if profile:
+        print(f"\nprofile: {profile['steps']} decode steps, {profile['step_ms']:.1f} ms a step, "
+              f"{profile['node_ms_per_step']:.1f} ms of it in nodes (ms a step):")
+        for op, ms in list(profile["by_op_ms_per_step"].items())[:12]:
+            print(f"  {op:32s} {ms:8.2f}  {100 * ms / profile['node_ms_per_step']:5.1f}%")
+        for w, ms in list(profile["matmulnbits_by_weight_ms_per_step"].items())[:8]:
+            print(f"  MatMulNBits {w:40s} {ms:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
