@@ -84,6 +84,9 @@ def test_prefix_reuse_and_chunked_prefill_over_window_sized_caches(gpt_oss):
     try:
         handles = [sched.submit(p, GREEDY) for p in prompts]
         results = [h.result(timeout=120) for h in handles]
+        # /metrics' graphkiln_kv_bytes_per_token: below the full-length pool's at the same length
+        full = StatePool(case.manifest.states, engine.pool.dtype).kv_bytes_per_token(engine.max_seq_len)
+        assert 0 < sched.stats().kv_bytes_per_token < full
     finally:
         sched.shutdown(5)
     for i, got in enumerate(results):
@@ -119,3 +122,21 @@ def test_a_run_behind_its_window_fails_loudly(gpt_oss):
     pool.window_offsets(np.array([100 - pool.window_keep + 7]), np.array([1]), 1)  # a rollback within reach
     with pytest.raises(RuntimeError, match="dropped"):
         pool.window_offsets(np.array([100 - pool.window_keep + 6]), np.array([1]), 1)
+
+
+def test_pipeline_stages_over_window_sized_caches(gpt_oss, tmp_path):
+    """Two stages (the sliding layer in the first, the full one in the second), each with its own
+    pool: the same tokens and logits, from a reused prefix too."""
+    from conftest import MAX_SEQ_LEN
+    from graphkiln.export.pipeline import ExportOptions, export_model
+
+    case, prompts, check = gpt_oss
+    export_model(str(case.checkpoint), tmp_path / "staged",
+                 ExportOptions(progress=False, max_seq_len=MAX_SEQ_LEN, target="onnxruntime", stages=2))
+    engine = Engine.load(tmp_path / "staged", prefix_block_size=4)
+    assert [p.windowed for p in engine.pool.pools] == [True, False]
+    engine.pool.pools[0].window_step = 1
+    for i in (1, 2):
+        result = engine.generate(prompts[i], GREEDY)[0]
+        check(result, f"staged prompt {i}")
+    assert result.cached_tokens == 24
