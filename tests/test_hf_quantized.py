@@ -909,7 +909,7 @@ def test_conversion_that_cannot_fit_is_refused_before_writing(tmp_path, capsys, 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     k = 4096
-    n = math.ceil(available_memory() / (k * 16) / 8) * 8  # ~24 bytes a weight while unpacked: 1.5x too many
+    n = math.ceil(available_memory() / (k * 8) / 8) * 8  # ~12 bytes a weight while unpacked: 1.5x too many
     module = "model.layers.0.mlp.down_proj"
     entries = {f"{module}.qweight": ("I32", [k // 8, n], 4), f"{module}.qzeros": ("I32", [k // 128, n // 8], 4),
                f"{module}.scales": ("F16", [k // 128, n], 2), f"{module}.g_idx": ("I32", [k], 4)}
