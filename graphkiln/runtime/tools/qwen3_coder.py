@@ -38,7 +38,7 @@ class Qwen3Coder(ToolFormat):
             if found is None or found.group(1).strip() not in schemas:
                 return None
             name, body = found.group(1).strip(), found.group(2)
-            props = schemas[name].get("properties") or {}
+            props = _properties(schemas[name])
             args: dict[str, Any] = {}
             pos = 0
             for m in _PARAMETER.finditer(body):
@@ -57,7 +57,11 @@ class Qwen3Coder(ToolFormat):
         rules, calls = [], []
         for i, tool in enumerate(tools):
             schema = arguments_schema(tool)
-            props, needed = schema.get("properties") or {}, set(schema.get("required") or ())
+            if not _valid(schema):
+                # the schema alone, which the grammar engine refuses with its own line when the
+                # request is submitted (a 400 naming tools): the XML spelling reads schemas leniently
+                return f"start: {inline_json(schema)}\n"
+            props, needed = _properties(schema), _required(schema)
             parts = []
             for j, (key, sub) in enumerate(props.items()):
                 value, extra = _value_lark(f"v{i}_{j}", sub)
@@ -100,7 +104,36 @@ def _value_lark(name: str, schema: Any) -> tuple[str, list[str]]:
         return f"{inline_json(schema if isinstance(schema, dict) else {})} {end}", []
     if "enum" in schema:
         return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + f") {end}", []
-    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-    count = f"{{{lo},{'' if hi is None else int(hi)}}}"
+    lo, hi = _count(schema.get("minLength")) or 0, _count(schema.get("maxLength"))
+    count = f"{{{lo},{'' if hi is None else max(hi, lo)}}}"
     # lazy up to the closing line (a suffix): the text never holds it, and the suffix is the end
     return name, [f"{name}[suffix={end}]: /(?s:.){count}/"]
+
+
+# an untrusted schema's pieces, read leniently: what is not the JSON Schema type it should be counts
+# as absent (the whole schema is still checked by the grammar engine where it is inlined)
+
+
+def _properties(schema: Any) -> dict[str, Any]:
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def _required(schema: Any) -> set[str]:
+    req = schema.get("required") if isinstance(schema, dict) else None
+    return {r for r in req if isinstance(r, str)} if isinstance(req, list) else set()
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _valid(schema: Any) -> bool:
+    """Whether the grammar engine takes ``schema`` (checked without a tokenizer: no tokens built)."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return not LLMatcher.validate_grammar(grammar)
