@@ -194,7 +194,7 @@ def active(art: Path) -> None:
 # --------------------------------------------------------------------------- small shape
 
 
-def _moe_graph(op: str, e: int, h: int, i: int, k: int, bits: int | None, weights: dict):
+def _moe_graph(op: str, e: int, h: int, i: int, k: int, bits: int | None, weights: dict, accuracy_level: int = 0):
     from onnx import TensorProto, helper, numpy_helper
 
     inits = [numpy_helper.from_array(v, n) for n, v in weights.items()]
@@ -203,7 +203,7 @@ def _moe_graph(op: str, e: int, h: int, i: int, k: int, bits: int | None, weight
         quant = {}
     else:
         ins = ["x", "r", "w1", "s1", "", "w2", "s2"]
-        quant = dict(expert_weight_bits=bits, block_size=32, accuracy_level=0)
+        quant = dict(expert_weight_bits=bits, block_size=32, accuracy_level=accuracy_level)
     node = helper.make_node(op, ins, ["y"], domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
                             normalize_routing_weights=1, activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0,
                             **quant)
@@ -286,6 +286,68 @@ def small(threads: int, tiny: bool = True) -> None:
         perplexity()
 
 
+def layer(threads: int, accuracy_levels=(0,), bits_list=(8, 4)) -> None:
+    """One gpt-oss-20b-sized MoE layer (32 experts top-4, hidden = intermediate = 2880) from random
+    MXFP4 codes: the export's requantization time per layer, then QMoE int8 / int4 decode and prefill
+    time at ``threads`` against the bound of the bytes a token reads (4 of 32 experts)."""
+    import gc
+
+    import onnxruntime as ort
+
+    from bench_load_scale import measure_bandwidth
+    from graphkiln.models.mxfp4 import HALVES, requantize
+
+    e, h, i, k = 32, 2880, 2880, 4
+    rng = np.random.default_rng(0)
+    bw = measure_bandwidth(threads, gib=0.5)
+    print(f"bandwidth copy {bw['copy_gb_s']:.1f} GB/s, read {bw['read_gb_s']:.1f} GB/s (threads {threads})")
+    inputs = {t: (rng.standard_normal((t, h)).astype(np.float32), rng.standard_normal((t, e)).astype(np.float32))
+              for t in (1, 128)}
+    for bits in bits_list:
+        w = {}
+        requant_s = 0.0
+        for key, (n, kk) in (("1", (2 * i, h)), ("2", (h, i))):
+            q = np.empty((e, n, kk * bits // 8), np.uint8)
+            s = np.empty((e, n, kk // 32), np.float32)
+            for x in range(e):
+                halves = HALVES[rng.integers(0, 16, (n, kk), dtype=np.uint8)]
+                sc = rng.integers(118, 125, (n, kk // 32)).astype(np.uint8)
+                t1 = time.perf_counter()
+                q[x], s[x] = requantize(halves, sc, bits)
+                requant_s += time.perf_counter() - t1
+            w["w" + key], w["s" + key] = q, s
+        wbytes = sum(v.nbytes for v in w.values())
+        model = _moe_graph("QMoE", e, h, i, k, bits, w)
+        del w
+        gc.collect()
+        for level in accuracy_levels:
+            for a in model.graph.node[0].attribute:
+                if a.name == "accuracy_level":
+                    a.i = level
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = threads
+            sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            row = {}
+            for t in (1, 128):
+                x, r = inputs[t]
+                sess.run(None, {"x": x, "r": r})
+                reps = 30 if t == 1 else 3
+                t1 = time.perf_counter()
+                for _ in range(reps):
+                    sess.run(None, {"x": x, "r": r})
+                row[t] = (time.perf_counter() - t1) / reps
+            active = wbytes * k / e
+            bound = active / (bw["copy_gb_s"] * 1e9)
+            print(f"QMoE int{bits} accuracy_level {level}: layer weights {wbytes / 1e9:.3f} GB (a token reads "
+                  f"{active / 1e6:.0f} MB); requantizing the layer {requant_s:.1f} s; decode {row[1] * 1e3:.2f} ms a "
+                  f"token (copy-bandwidth bound {bound * 1e3:.2f} ms: {100 * bound / row[1]:.0f}%), prefill 128 tokens "
+                  f"{row[128] * 1e3:.0f} ms", flush=True)
+            del sess
+            gc.collect()
+        del model
+    print(f"(load average {os.getloadavg()})")
+
+
 def perplexity() -> None:
     """Perplexity of one random sequence: transformers' dequantized tiny gpt-oss vs the QMoE artifacts."""
     import dataclasses
@@ -337,6 +399,10 @@ def main() -> int:
     s = sub.add_parser("small")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--no-perplexity", action="store_true")
+    ly = sub.add_parser("layer")
+    ly.add_argument("--threads", type=int, default=2)
+    ly.add_argument("--accuracy-levels", default="0", help="comma-separated QMoE accuracy_level values to time")
+    ly.add_argument("--bits", default="8,4")
     a = sub.add_parser("active")
     a.add_argument("artifact", type=Path)
     args = ap.parse_args()
@@ -346,6 +412,9 @@ def main() -> int:
         export(args.ckpt, args.out, args.extra)
     elif args.cmd == "small":
         small(args.threads, not args.no_perplexity)
+    elif args.cmd == "layer":
+        layer(args.threads, tuple(int(x) for x in args.accuracy_levels.split(",")),
+              tuple(int(x) for x in args.bits.split(",")))
     else:
         active(args.artifact)
     return 0
