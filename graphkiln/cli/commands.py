@@ -21,6 +21,7 @@ def do_export(args) -> int:
     export_model(args.model, Path(args.output), ExportOptions(
         dtype=args.dtype, max_seq_len=args.max_seq_len, opset=args.opset, overwrite=args.overwrite,
         target=args.target, quant=args.quant, quant_block_size=args.quant_block_size,
+        expert_quant=getattr(args, "expert_quant", None),
         quant_symmetric=args.quant_scheme == "sym", quant_method=args.quant_method, stages=args.stages, stage_layers=args.stage_layers,
         return_hidden_states=args.return_hidden_states, task=args.task, pooling=args.pooling,
         normalize=args.normalize, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
@@ -166,7 +167,7 @@ def do_serve(args) -> int:
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
         distributed=distributed(args), log_level=args.log_level, lora=_lora_pairs(args.lora),
         lora_updates=args.allow_lora_updates, speculative=args.speculative, draft=args.draft, draft_cost=args.draft_cost,
-        **prefix_kwargs(args)))
+        tool_call_parser=args.tool_call_parser, **prefix_kwargs(args)))
 
 
 def _lora_pairs(pairs) -> tuple[tuple[str, str], ...]:

@@ -38,10 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphkiln custom ops, ~10%% slower dense decode and 3-10x slower MoE layers on "
                         "onnxruntime; tensorrt: the portable graph as TensorRT's ONNX parser takes it (custom ops "
                         "as aot=1 plugins writing state in place; see 'graphkiln check'), also runs on onnxruntime")
-    e.add_argument("--quant", default=None, choices=["int4", "int8"],
+    e.add_argument("--quant", default=None, choices=["int4", "int8", "none"],
                    help="weight-only quantization of the Linear layers and the embedding (block-wise, "
                         "com.microsoft.MatMulNBits / GatherBlockQuantized; onnxruntime target only). A GGUF or "
-                        "GPTQ/AWQ checkpoint keeps its own blocks where they map exactly")
+                        "GPTQ/AWQ checkpoint keeps its own blocks where they map exactly; FP8/NVFP4 ones become "
+                        "int8 blocks by default. none: float weights at --dtype (a quantized checkpoint's "
+                        "dequantized values)")
+    e.add_argument("--expert-quant", default=None, choices=["int4", "int8"],
+                   help="an MXFP4 checkpoint's (gpt-oss) experts as onnxruntime QMoE blocks of this width: int8 "
+                        "exact, int4 approximate (default: --quant's width, else int4; without --quant the other "
+                        "layers are then float)")
     e.add_argument("--quant-method", default="calibrated", choices=["calibrated", "search", "rtn"],
                    help="how blocks are chosen: calibrated (default): scales searched to minimise the error in "
                         "each layer's output, weighted by activations from a short calibration text; search: "
@@ -190,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a draft artifact of the same tokenizer (a smaller or int4 export) for draft "
                         "speculation; without --speculative, requests default to it")
     add_draft_cost_flag(s)
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the tool-call format of /v1/chat/completions' tools: hermes (Qwen2.5/Qwen3), qwen3_coder, "
+                        "llama3_json, mistral, harmony (gpt-oss), or none (tools refused); default: the one the "
+                        "chat template writes")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=commands.do_serve)
 

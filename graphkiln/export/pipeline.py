@@ -36,6 +36,9 @@ class ExportOptions:
     # onnxruntime-target only): None, "int4" or "int8"; block-wise along K.
     quant: str | None = None
     quant_block_size: int = 32
+    # an MXFP4 checkpoint's experts (models.mxfp4): onnxruntime QMoE blocks of "int8" (exact) or "int4";
+    # None: quant's width, else int4 (and then quant int4 too: a quantized checkpoint stays quantized)
+    expert_quant: str | None = None
     quant_symmetric: bool = True  # False: asymmetric blocks with zero points (see lowering.quantize)
     # how blocks are chosen (export.block_quant): "calibrated" (error weighted by a calibration pass's
     # activations), "search" (weight error) or "rtn" (round to nearest)
@@ -248,7 +251,7 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
     if opts.dtype not in DTYPES:
         raise GraphkilnError(f"--dtype {opts.dtype} is not supported: choose one of {', '.join(DTYPES)}")
     targets = parse_targets(opts.target)
-    if opts.quant is not None:
+    if opts.quant not in (None, "none"):  # "none": float weights, a quantized checkpoint's dequantized values
         from graphkiln.export.lowering.quantize import MATMUL_NBITS_BLOCK_SIZES, QUANT_BITS, block_size_ok
 
         if opts.quant not in QUANT_BITS:
@@ -287,7 +290,10 @@ def export_model(model: str, out_dir: Path, opts: ExportOptions = ExportOptions(
     from graphkiln.memory import one_heap
 
     one_heap()  # the streamed export's peak must not depend on how the heaps fragment
-    with prepared_checkpoint(model, say=lambda msg: _say(opts, msg)) as src:
+    from graphkiln.export.lowering.quantize import QUANT_BITS
+
+    with prepared_checkpoint(model, say=lambda msg: _say(opts, msg), bits=QUANT_BITS.get(opts.quant),
+                             block_size=opts.quant_block_size) as src:
         return _export_checkpoint(model, src, out_dir, opts, targets)
 
 
@@ -305,6 +311,11 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
     raw = read_config(src)
     refuse_checkpoint_code(src, raw)
     refuse_quantized(raw)
+    from graphkiln.models.mxfp4 import export_quant, is_mxfp4
+
+    if is_mxfp4(raw):  # MXFP4 experts are written as QMoE blocks (int4 by default)
+        quant, expert_quant = export_quant(opts.quant, opts.expert_quant, targets, opts.dtype, lambda m: _say(opts, m))
+        opts = dataclasses.replace(opts, quant=quant, expert_quant=expert_quant)
     arch = architecture_of(raw)
     if opts.task == "embed":  # a base model class (Qwen3Model) is read by its *ForCausalLM family
         from graphkiln.export.embedding import embedding_architecture
@@ -352,6 +363,8 @@ def _export_checkpoint(model: str, src: Path, out_dir: Path, opts: ExportOptions
         bits = stored_bits or Counter(b.bits for b in prequantized.values()).most_common(1)[0][0]
         opts = dataclasses.replace(opts, quant=next(q for q, b in QUANT_BITS.items() if b == bits))
         _say(opts, f"      the checkpoint stores quantized blocks: exporting as --quant {opts.quant}")
+    if opts.quant == "none":  # asked for float weights: the checkpoint's dequantized values at --dtype
+        opts = dataclasses.replace(opts, quant=None)
     if not (opts.quant and targets == ("onnxruntime",)):
         prequantized = {}  # a float artifact of the dequantized weights
     vcfg = None

@@ -201,6 +201,8 @@ class _Reader:
     def read(self, src: Source) -> torch.Tensor:
         if isinstance(src, Alt):
             return self.read(next(o for o in src.options if self.has(o)))
+        if hasattr(src, "read_from"):  # a source that reads its own tensors (models.mxfp4.Mxfp4Experts)
+            return src.read_from(self)
         if isinstance(src, Stack):
             return torch.stack([self.read(p) for p in src.parts])
         if isinstance(src, Cat):
@@ -217,10 +219,10 @@ class _Reader:
         if entry is not None:
             return self._read_plain(src, entry)
         shard = self.where[src]
-        if shard not in self.handles:
-            self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
         if not isinstance(shard, Path):  # models.derived: made from the source's quantized bytes
             return torch.from_numpy(shard.read())
+        if shard not in self.handles:
+            self.handles[shard] = safe_open(str(shard), framework="pt").__enter__()
         try:
             return self.handles[shard].get_tensor(src)
         except Exception as exc:
@@ -324,6 +326,9 @@ def _check_shape(reader: _Reader, src: Source, expected: tuple[int, ...], param:
     """Compare the stored shapes of a resolved source's tensors with what config.json implies, naming
     the checkpoint tensor that differs. A ``Cat`` splits its expected rows as the decoder fuses them:
     ``sizes`` when the source gives them, else equal parts (gate/up)."""
+    if hasattr(src, "check_shape"):  # a source that checks its own tensors (models.mxfp4.Mxfp4Experts)
+        src.check_shape(reader, tuple(expected), param)
+        return
     if isinstance(src, str):
         shape = tuple(reader.header(src)["shape"])
         if shape != tuple(expected):
@@ -372,7 +377,7 @@ def _plan(reader: _Reader, family: ModelFamily, cfg: DecoderConfig, model: Decod
         )
     resolved = {name: reader.chosen(src) for name, src in sources.items()}
     for name, src in resolved.items():
-        for leaf in _leaves(src):
+        for leaf in ([] if getattr(src, "reads_integers", False) else _leaves(src)):  # those check their own
             stored = reader.header(leaf)["dtype"]
             if stored not in _SAFETENSORS_DTYPES:
                 raise GraphkilnError(
@@ -477,13 +482,13 @@ class CheckpointWeights:
         the file without the rest; parameters assembled from several tensors are read whole."""
         name = self._own(name)
         src = self.sources[name]
-        entry = self.reader._entry(src) if isinstance(src, str) else None
-        if entry is None or len(entry.shape) != 2 or name in self.offset_norms:
-            return self.read(name)[start:stop]
         made = self.reader.where.get(src) if isinstance(src, str) else None
         if made is not None and not isinstance(made, Path) and len(made.shape) == 2 and name not in self.offset_norms:
             out = torch.from_numpy(made.rows(start, stop))  # models.derived: only these rows are made
             return out if out.dtype == self.dtype else out.to(self.dtype)
+        entry = self.reader._entry(src) if isinstance(src, str) else None
+        if entry is None or len(entry.shape) != 2 or name in self.offset_norms:
+            return self.read(name)[start:stop]
         row = (entry.end - entry.begin) // entry.shape[0]
         out = torch.empty((stop - start, entry.shape[1]), dtype=entry.dtype)
         with open(entry.shard, "rb") as f:
