@@ -246,8 +246,9 @@ def _refused(srv, body, param: str) -> dict:
 
 def test_hostile_tool_inputs_are_one_400_each(srv, client):
     tool = TOOLS[0]
-    _refused(srv, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    err = _refused(srv, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools")
+    assert err["message"].startswith("tools: ") and "no-such-type" in err["message"] and "Lark" not in err["message"]
     _refused(srv, {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(1000)]}, "tools")
     _refused(srv, {"tools": [{"type": "function", "function": {"name": "f", "description": "d" * (1 << 20)}}]},
              "messages")

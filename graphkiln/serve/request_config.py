@@ -86,4 +86,7 @@ def refused_constraint(exc: GraphkilnError, constraint: S.OutputConstraint) -> A
     message, field = str(exc), constraint.field
     if message.startswith(field + ":"):  # the engine's config field, as the request named it
         message = constraint.param + message[len(field):]
+    if constraint.param == "tools":  # the grammar is the server's, built from the tools' schemas
+        message = message.replace("pass a valid Lark grammar", "fix the tools' parameters schemas")
+        message = message.replace("simplify the Lark grammar", "simplify the tools' parameters schemas")
     return ApiError(400, clip(message, 400), param=constraint.param, code="invalid_response_format")
