@@ -55,17 +55,20 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
     stored_table = max((weights.stored_bytes(n) for n in ("model.embed_tokens.weight", "lm_head.weight")),
                        default=table_params * 2) if weights is not None else table_params * itemsize
     total_params = sum(layer_params) + table_params * (1 if tied else 2)
+    experts = sum(p.numel() for layer in decoder.model.layers for n, p in layer.named_parameters()
+                  if ".experts." in f".{n}")
+    expert_bytes = experts * itemsize
+    if getattr(opts, "expert_quant", None):  # MXFP4 experts as QMoE blocks of 32 with one scale each (models.mxfp4)
+        expert_bytes = int(experts * ({"int4": 4, "int8": 8}[opts.expert_quant] / 8 + itemsize / 32))
     if opts.quant:
         bits = {"int4": 4, "int8": 8}[opts.quant]
         per_block = itemsize + (0 if opts.quant_symmetric else bits / 8)
         quant_factor = bits / 8 + per_block / opts.quant_block_size
-        experts = sum(p.numel() for layer in decoder.model.layers for n, p in layer.named_parameters()
-                      if ".experts." in f".{n}")
-        artifact = int((total_params - experts) * quant_factor + experts * itemsize)
+        artifact = int((total_params - experts) * quant_factor + expert_bytes)
         table_work = table_params * 4 * 2  # a band of fp32 rows plus the table's packed codes, bounded by the table
         table_work = min(table_work, stored_table + table_params)
     else:
-        artifact = total_params * itemsize
+        artifact = (total_params - experts) * itemsize + expert_bytes
         table_work = stored_table + (64 << 20)  # an untied head is transposed from its stored bytes, a band at a time
     largest = max(layer_bytes, default=0)
     template_bytes = sum(layer_bytes[i] for i in template)
@@ -77,7 +80,7 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
     peak = BASE_BYTES + template_bytes + int(WORKING_FACTOR * largest) + table_work + dequantize
     disk = artifact
     moe = any(s.ffn == "moe" for s in cfg.layers)
-    if moe and not opts.quant:  # the traced data file and the interleaved experts' new one, side by side
+    if moe and not (opts.quant or getattr(opts, "expert_quant", None)):  # the traced data file and the interleaved experts' new one, side by side
         disk += artifact
     if len(targets) > 1:
         disk += artifact // 4  # other targets' rewritten tensors (MoE experts), at most: a margin
