@@ -8,7 +8,7 @@ code: it is compiled and rendered only in jinja2's ``ImmutableSandboxedEnvironme
 attribute access to Python internals, no mutation of the messages), with the globals and
 filters transformers gives templates (``raise_exception``, ``strftime_now``, ``tojson``).
 
-Users: ``graphkiln serve``'s chat route (``graphkiln.serve.app``) and ``graphkiln chat`` /
+Users: ``graphkiln serve``'s chat route (``graphkiln.serve.chat``) and ``graphkiln chat`` /
 ``graphkiln run --chat`` (``graphkiln.chat``); it lives beside the tokenizer, below both, so the
 CLI does not import the serving layer.
 
