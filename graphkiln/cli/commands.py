@@ -167,7 +167,7 @@ def do_serve(args) -> int:
         drain_s=args.drain_timeout, expect_digest=args.expect_digest, target=args.target,
         distributed=distributed(args), log_level=args.log_level, lora=_lora_pairs(args.lora),
         lora_updates=args.allow_lora_updates, speculative=args.speculative, draft=args.draft, draft_cost=args.draft_cost,
-        tool_call_parser=args.tool_call_parser, **prefix_kwargs(args)))
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, **prefix_kwargs(args)))
 
 
 def _lora_pairs(pairs) -> tuple[tuple[str, str], ...]:

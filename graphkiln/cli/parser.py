@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tool-call format of /v1/chat/completions' tools: hermes (Qwen2.5/Qwen3), qwen3_coder, "
                         "llama3_json, mistral, harmony (gpt-oss), or none (tools refused); default: the one the "
                         "chat template writes")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="how replies' thinking is split into reasoning_content: think (<think>...</think>: Qwen3, "
+                        "DeepSeek-R1), harmony (gpt-oss's analysis channel), or none; default: the one the chat "
+                        "template writes")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=commands.do_serve)
 
