@@ -184,9 +184,12 @@ def test_openai_client_float_base64_dimensions_and_usage(srv, embed_case):
     for k, r in enumerate(results):
         assert np.abs(np.array([d.embedding for d in r.data]) - np.roll(want, -(k % 5), axis=0)).max() < 1e-6
     assert srv.wait_idle().free_slots == 4  # every slot released
-    assert "/v1/embeddings" in srv.post("/openapi.json", b"").json().get("paths", {}) or \
-        "/v1/embeddings" in __import__("httpx").get(srv.url + "/openapi.json").json()["paths"]
-    metrics = __import__("httpx").get(srv.url + "/metrics").text
+    import httpx
+
+    doc = httpx.get(srv.url + "/openapi.json").json()
+    body = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/EmbeddingRequest") and "EmbeddingList" in doc["components"]["schemas"]
+    metrics = httpx.get(srv.url + "/metrics").text
     assert "graphkiln_embedding_requests_total" in metrics and "graphkiln_embedding_tokens_total" in metrics
 
 
@@ -223,10 +226,13 @@ def test_each_bad_input_is_one_400(srv):
     assert srv.post("/v1/embeddings", {"model": "tiny", "input": "still fine"}).status_code == 200
 
 
-def test_export_refusals_write_nothing(embed_case, tmp_path, capsys):
+def test_verify_and_export_refusals(embed_case, tmp_path, capsys):
     from graphkiln.cli import main
 
     ckpt = str(embed_case[0])
+    assert main(["verify", str(embed_case[0].parent / "artifact"), "--reference", ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "embedding artifact (last pooling, fp32 weights)" in out and out.strip().endswith("PASS")
     for argv, needle in ((["--task", "embed", "--target", "tensorrt"], "--target tensorrt"),
                          (["--pooling", "mean"], "--task embed"),
                          (["--task", "embed", "--stages", "2"], "--stages"),

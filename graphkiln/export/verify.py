@@ -318,7 +318,9 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     """Compare ``artifact`` with ``reference`` (see the module docstring). A quantized artifact with a
     tokenizer is also scored on ``text`` (a file; None: the built-in prose) beside the reference.
     ``streamed``: True compares with the streamed reference (``export.streamed_reference``), False
-    with transformers', None (default) with transformers' unless it would not fit in memory."""
+    with transformers', None (default) with transformers' unless it would not fit in memory. An embedding
+    artifact (no logits) is checked by ``export.verify_embeddings`` instead (its report has the same
+    ``passed`` and ``summary``)."""
 
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
         raise GraphkilnError(f"steps must be an integer >= 1, got {steps!r}: pass e.g. --steps 32")
@@ -332,6 +334,10 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     from graphkiln.export.streamed_reference import StreamedReference
 
     engine = engine or Engine.load(artifact)
+    if engine.manifest.embedding is not None:  # no logits: its pooled vectors against transformers' base model
+        from graphkiln.export.verify_embeddings import verify_embeddings
+
+        return verify_embeddings(engine, reference, seed, atol)
     vision = engine.manifest.vision is not None
     # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load (and kept
     # while the streamed reference reads them)
