@@ -242,3 +242,24 @@ def test_verify_and_export_refusals(embed_case, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], (argv, err)
         assert not out.exists()
+
+
+def test_schemathesis_fuzzes_the_route(srv):
+    """The documented body fuzzed against the embedding server: no 5xx, only documented responses."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import checks
+
+    schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+    [operation] = [r.ok() for r in schema.get_all_operations() if r.ok().label == "POST /v1/embeddings"]
+    run = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+           checks.response_schema_conformance]
+
+    @settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy())
+    def fuzz(case):
+        case.call_and_validate(base_url=srv.url, checks=run, timeout=60)
+
+    fuzz()
+    srv.wait_idle()
