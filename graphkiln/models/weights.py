@@ -444,6 +444,10 @@ class CheckpointWeights:
         self.sources = _plan(self.reader, family, cfg, meta)
         self.offset_norms = _offset_norm_weights(meta, cfg)
         self._layer: tuple[int, nn.Module] | None = None
+        # False once a lowering writes a source's integers itself (export.lowering.ort_moe: MXFP4
+        # experts as QMoE blocks): layers are then built without its float (meta), so writing a
+        # layer's other weights does not dequantize its experts (gpt-oss-20b: 3.2 GB a layer)
+        self.expand_integer_sources = True
 
     def names(self) -> list[str]:
         """Every parameter the checkpoint provides (a tied head is the embedding's: not listed)."""
@@ -515,9 +519,16 @@ class CheckpointWeights:
         with torch.device("meta"):
             module = DecoderLayer(self.cfg, self.cfg.layers[i])
         prefix = f"model.layers.{i}."
-        state = {n[len(prefix):]: self.read(n) for n in self.sources if n.startswith(prefix)}
+        state = {n[len(prefix):]: self._placeholder(n) if self._skipped(n) else self.read(n)
+                 for n in self.sources if n.startswith(prefix)}
         module.load_state_dict(state, strict=True, assign=True)
         return _finish(module)
+
+    def _skipped(self, name: str) -> bool:
+        return not self.expand_integer_sources and getattr(self.sources[name], "reads_integers", False)
+
+    def _placeholder(self, name: str) -> torch.Tensor:
+        return torch.empty(self.shapes[name], dtype=self.dtype, device="meta")
 
     def release(self) -> None:
         """Drop the layer ``layer`` built last."""

@@ -269,6 +269,8 @@ def _mxfp4_experts(gate_up: str, down: str, inits, base_dir):
         if src is None:
             return None
         found.append((producer.weights.reader, src))
+    for name in (gate_up, down):  # written from their blocks: never dequantized again (CheckpointWeights)
+        deferred_producer(inits[name], base_dir).weights.expand_integer_sources = False
     return tuple(found)
 
 
