@@ -64,7 +64,7 @@ def estimate(decoder, opts, targets: tuple[str, ...], template: tuple[int, ...],
         bits = {"int4": 4, "int8": 8}[opts.quant]
         per_block = itemsize + (0 if opts.quant_symmetric else bits / 8)
         quant_factor = bits / 8 + per_block / opts.quant_block_size
-        artifact = int((total_params - experts) * quant_factor + expert_bytes)
+        artifact = int((total_params - experts) * quant_factor + expert_bytes) + _stored_widths(weights, bits)
         table_work = table_params * 4 * 2  # a band of fp32 rows plus the table's packed codes, bounded by the table
         table_work = min(table_work, stored_table + table_params)
     else:
@@ -100,6 +100,19 @@ def _largest_stage(opts, cfg, targets, layer_bytes: list[int]) -> int:
         return max(sum(layer_bytes[a:b]) for a, b in ranges)
     total = sum(layer_bytes)
     return min(total, -(-total // opts.stages) + max(layer_bytes, default=0))
+
+
+def _stored_widths(weights, bits: int) -> int:
+    """What a converted quantized checkpoint's own blocks add to a ``bits``-wide artifact: they are
+    written at their stored width (a GGUF's Q8_0 table in an int4 export); 0 for an ordinary one."""
+    if weights is None:
+        return 0
+    extra = 0
+    for t in weights.reader.where.values():
+        blocks = getattr(t, "blocks", None)
+        if blocks is not None:
+            extra += math.prod(blocks.shape) * (blocks.bits - bits) // 8
+    return extra
 
 
 def _dequantizing(weights) -> int:
