@@ -282,6 +282,7 @@ def test_disconnects_free_every_slot_and_metrics_agree(srv, reference, tok_case)
     assert metrics["graphkiln_running_requests"] == metrics["graphkiln_queue_depth"] == 0
     assert metrics["graphkiln_generated_tokens_total"] == stats.generated_tokens
     assert metrics["graphkiln_prompt_tokens_total"] == stats.prompt_tokens
+    assert metrics["graphkiln_kv_bytes_per_token"] == stats.kv_bytes_per_token > 0
     assert metrics["graphkiln_time_to_first_token_seconds_count"] > 0
     # the server still answers exactly as before
     r = srv.client().completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0,
