@@ -117,10 +117,14 @@ def test_scheduler_chunked_prefill_and_stream_events(hidden_artifact):
     try:
         first = sched.submit(short, GenerationConfig(max_new_tokens=8, stop_token_ids=(), return_hidden_states="last"))
         second = sched.submit(long, GenerationConfig(max_new_tokens=4, stop_token_ids=(), return_hidden_states="all"))
+        # embeddings (runtime.embed) between those steps, in the slots they leave free: theirs never move
+        embedded = sched.embed([short, long[:9]], pooling="mean")
         events = list(first.events())
         results = [first.result(), second.result()]
+        vectors = embedded.result(30).vectors
     finally:
         sched.shutdown(5)
+    assert max_abs(vectors, np.stack([_reference_states(case.reference, p).mean(0) for p in (short, long[:9])])) < ATOL
     for r, p, first_row in zip(results, (short, long), (len(short) - 1, 0)):
         ref = _reference_states(case.reference, p + r.token_ids[:-1])
         assert max_abs(r.hidden_states, ref[first_row:]) < ATOL

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 MAX_BATCH = 32  # inputs per prefill (Engine.embed)
 MAX_TOKENS = 8192  # padded tokens per prefill (Engine.embed): KV rows written and dropped, bounded
+# a --return-hidden-states artifact computes logits wherever it gives hidden states: under mean
+# pooling (every position) its prefills are bounded by those logits' bytes too
+MAX_LOGITS_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,14 @@ def embed_settings(manifest: Manifest, pooling: str | None = None, normalize: bo
                                    or not 1 <= dimensions <= hidden):
         raise GraphkilnError(f"dimensions must be an integer from 1 to the model's {hidden}, got {dimensions!r}")
     return EmbedSettings(pooling, bool(normalize), None if dimensions is None else int(dimensions))
+
+
+def batch_tokens(manifest: Manifest, settings: EmbedSettings, limit: int) -> int:
+    """Padded tokens one prefill may take: ``limit``, less for a generation artifact's mean pooling
+    (its float32 logits at every position, ``MAX_LOGITS_BYTES`` at most; one input still runs alone)."""
+    if manifest.embedding is None and settings.pooling == "mean":
+        return max(1, min(limit, MAX_LOGITS_BYTES // (4 * manifest.model.vocab_size)))
+    return limit
 
 
 def refuse_generation(manifest: Manifest, what: str) -> None:

@@ -308,7 +308,8 @@ class Engine:
     def embed_with_usage(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
                          normalize: bool | None = None, dimensions: int | None = None, *, images=None):
         """``embed``'s vectors and each prompt's token count (``runtime.embed.EmbeddingResult``)."""
-        from graphkiln.runtime.embed import MAX_BATCH, MAX_TOKENS, EmbeddingResult, batches, embed_settings, run_batch
+        from graphkiln.runtime.embed import (MAX_BATCH, MAX_TOKENS, EmbeddingResult, batch_tokens, batches,
+                                             embed_settings, run_batch)
 
         settings = embed_settings(self.manifest, pooling, normalize, dimensions)
         with self._exclusive():
@@ -319,7 +320,7 @@ class Engine:
             reqs = _passes(self.prep.prepare(batch, images, single=_is_single(prompts)))
             self.prep.encode_images(reqs)
             lengths = [len(r.prompt_ids) for r in reqs]
-            groups = batches(lengths, MAX_BATCH, MAX_TOKENS)
+            groups = batches(lengths, MAX_BATCH, batch_tokens(self.manifest, settings, MAX_TOKENS))
             self.pool.reserve(max(map(len, groups)), max(lengths))
             vectors: list = [None] * len(reqs)
             for group in groups:

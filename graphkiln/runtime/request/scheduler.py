@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 from graphkiln.errors import GraphkilnError
-from graphkiln.runtime.embed import refuse_generation
+from graphkiln.runtime.embed import batch_tokens, refuse_generation
 from graphkiln.runtime.request.commit import finish_cancelled
 from graphkiln.runtime.request.request_state import NO_TOKEN, NonFiniteLogitsError, RequestState, make_request, result_of  # noqa: F401
 from graphkiln.runtime.request.prefix import PrefixStats
@@ -376,7 +376,8 @@ class Scheduler:
         pool = self.engine.pool
         if job is None or pool.live >= pool.slots:
             return
-        if job.step(self.engine, pool.slots - pool.live, self.step_tokens):
+        if job.step(self.engine, pool.slots - pool.live, batch_tokens(self.engine.manifest, job.settings,
+                                                                       self.step_tokens)):
             with self._lock:
                 self._embeds.popleft()
 
