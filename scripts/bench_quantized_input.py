@@ -1,6 +1,7 @@
 """Exporting a quantized input at real size (issue 36): a GGUF of Llama-3.2-1B's shape (Q4_0
-Linear weights, a Q8_0 tied embedding, F32 norms: random blocks, written without torch), exported
-by ``graphkiln export`` in a fresh process, and the same export by another checkout (``--before
+Linear weights, a Q8_0 tied embedding, F32 norms: random blocks, written without torch), or with
+``--gptq`` a GPTQ checkpoint of that shape (4-bit, group 128, bf16 tied embedding), exported by
+``graphkiln export`` in a fresh process, and the same export by another checkout (``--before
 DIR``: a git worktree of an earlier commit) in the same run.
 
 Reports per export: peak RSS and bytes written to storage (``/usr/bin/time``'s %M and %O x 512),
@@ -76,6 +77,61 @@ def write_gguf(path: Path, layers: int) -> None:
     w.close()
 
 
+def write_gptq(directory: Path, layers: int) -> None:
+    """A GPTQ (v1, 4-bit, group 128, symmetric, no act-order) checkpoint of the same shape, written
+    without torch: random qweight words, fp16 scales near 0.01, zero points 8 (stored 7), bf16
+    embedding (tied) and norms, one safetensors file."""
+    import struct
+
+    s = dict(SHAPE, layers=layers)
+    h, kv, ffn, group = s["hidden"], s["kv_heads"] * s["head_dim"], s["ffn"], 128
+    rng = np.random.default_rng(0)
+    tensors: list[tuple[str, str, tuple[int, ...], object]] = []  # name, dtype, shape, bytes maker
+
+    def add(name, dtype, shape, make):
+        tensors.append((name, dtype, shape, make))
+
+    one = np.full(h, 0x3F80, np.uint16)  # bf16 1.0
+    add("model.embed_tokens.weight", "BF16", (s["vocab"], h),
+        lambda: (rng.standard_normal((s["vocab"], h), dtype=np.float32) * 0.02).view(np.uint32).__rshift__(16)
+        .astype(np.uint16))
+    add("model.norm.weight", "BF16", (h,), lambda: one)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", "BF16", (h,), lambda: one)
+        add(p + "post_attention_layernorm.weight", "BF16", (h,), lambda: one)
+        for name, (n, k) in {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                             "self_attn.o_proj": (h, h), "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h),
+                             "mlp.down_proj": (h, ffn)}.items():
+            g = k // group
+            add(p + name + ".qweight", "I32", (k // 8, n), lambda k=k, n=n: rng.integers(-2**31, 2**31, (k // 8, n),
+                                                                                          dtype=np.int32))
+            add(p + name + ".qzeros", "I32", (g, n // 8), lambda g=g, n=n: np.full((g, n // 8), 0x77777777, np.int32))
+            add(p + name + ".scales", "F16", (g, n), lambda g=g, n=n: (0.005 + 0.01 * rng.random((g, n))).astype(np.float16))
+            add(p + name + ".g_idx", "I32", (k,), lambda k=k: (np.arange(k) // group).astype(np.int32))
+    header, offset = {}, 0
+    size = {"BF16": 2, "F16": 2, "I32": 4}
+    for name, dtype, shape, _ in tensors:
+        nbytes = int(np.prod(shape)) * size[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name, dtype, shape, make in tensors:
+            f.write(np.ascontiguousarray(make()).tobytes())
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": ffn,
+              "num_hidden_layers": layers, "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+              "head_dim": s["head_dim"], "vocab_size": s["vocab"], "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                      "sym": True, "checkpoint_format": "gptq"}}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _tree_bytes(root: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(root):
@@ -88,7 +144,7 @@ def _tree_bytes(root: Path) -> int:
 
 
 def run_export(label: str, checkout: Path, gguf: Path, out: Path, scratch: Path) -> dict:
-    """``graphkiln export GGUF -o OUT`` from ``checkout`` in a fresh process: its figures."""
+    """``graphkiln export SOURCE -o OUT`` from ``checkout`` in a fresh process: its figures."""
     if out.exists():
         shutil.rmtree(out)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -127,6 +183,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True, help="where the GGUF, the artifacts and temporaries go")
     ap.add_argument("--before", type=Path, help="another checkout (git worktree) to run the same export with, first")
     ap.add_argument("--layers", type=int, default=SHAPE["layers"])
+    ap.add_argument("--gptq", action="store_true", help="export a GPTQ checkpoint of the shape instead of the GGUF")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     gguf = args.work / f"llama-1b-q4_0-{args.layers}l.gguf"
@@ -134,14 +191,23 @@ def main() -> None:
         t0 = time.perf_counter()
         write_gguf(gguf, args.layers)
         print(f"wrote {gguf} ({gguf.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f}s", flush=True)
+    gptq = args.work / f"llama-1b-gptq-{args.layers}l"
+    if args.gptq and not (gptq / "config.json").exists():
+        t0 = time.perf_counter()
+        write_gptq(gptq, args.layers)
+        print(f"wrote {gptq} in {time.perf_counter() - t0:.0f}s", flush=True)
     print(f"load average {os.getloadavg()}", flush=True)
     rows = []
     here = Path(__file__).resolve().parents[1]
     runs = ([("before", args.before)] if args.before else []) + [("after", here)]
-    for label, checkout in runs:
-        rows.append(run_export(label, checkout, gguf, args.work / f"art-{label}", args.work / f"tmp-{label}"))
-        print(json.dumps(rows[-1]), flush=True)
-        shutil.rmtree(args.work / f"tmp-{label}", ignore_errors=True)
+    inputs = [("gptq", gptq)] if args.gptq else [("gguf", gguf)]
+    for kind, source in inputs:
+        for label, checkout in runs:
+            name = f"{kind}-{label}"
+            rows.append(run_export(name, checkout, source, args.work / f"art-{name}", args.work / f"tmp-{name}"))
+            print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(args.work / f"tmp-{name}", ignore_errors=True)
+            shutil.rmtree(args.work / f"art-{name}", ignore_errors=True)
     print(f"load average {os.getloadavg()}", flush=True)
 
 
