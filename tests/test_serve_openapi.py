@@ -18,7 +18,7 @@ from test_serve import KEY, MODEL, artifact, serving  # noqa: E402,F401  (artifa
 # per operation: a generation route's examples are a few ms to ~1 s each (max_tokens is bounded
 # by the artifact's 128 positions), the whole test well under a minute on two cores
 EXAMPLES = {"POST /v1/completions": 40, "POST /v1/chat/completions": 40, "POST /tokenize": 20, "POST /detokenize": 20,
-            "GET /tokenizer_info": 3}
+            "GET /tokenizer_info": 3, "POST /v1/responses": 10}
 DEFAULT_EXAMPLES = 5
 
 
@@ -32,7 +32,8 @@ def test_document_describes_the_bodies_and_needs_the_key(keyed):
     assert httpx.get(keyed.url + "/openapi.json").status_code == 401
     doc = httpx.get(keyed.url + "/openapi.json", headers=keyed.headers).json()
     assert doc["openapi"].startswith("3.")
-    for path, body in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+    for path, body in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                       ("/v1/responses", "ResponsesRequest")):
         op = doc["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
         assert {"200", "400", "401", "413", "429", "500", "503"} <= set(op["responses"])

@@ -122,9 +122,13 @@ def test_hostile_inputs_are_one_400_each(srv, client, extra, param):
 
 
 def test_agents_sdk_loop_responses_and_chat_completions(srv):
-    """The OpenAI Agents SDK: a local function tool called (tool_choice required makes the call),
-    its result given back, a final text answer; through the Responses API (the SDK's default) and,
-    set explicitly, Chat Completions."""
+    """The OpenAI Agents SDK runs an agent that calls a local function tool (tool_choice required
+    makes the call) and returns a final answer, over the Responses API (the SDK's default) and,
+    set explicitly, Chat Completions. Over Chat Completions the tool result turn writes the final
+    text (the SDK resets tool_choice to auto after a call). Over Responses the SDK takes a
+    length-cut reply (status incomplete) as a failure, and this random model never ends a text by
+    itself, so that agent stops at its tool's result (``tool_use_behavior``); the Responses result
+    turn itself is test_required_call_streamed_then_the_tool_result_turn's."""
     agents = pytest.importorskip("agents")
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
 
@@ -132,24 +136,30 @@ def test_agents_sdk_loop_responses_and_chat_completions(srv):
     seen = []
 
     @function_tool
-    def paint(c: Literal["red", "blue"]) -> str:
-        """Paint."""
+    def p(c: Literal["r", "b"]) -> str:  # short: the result turn must fit the artifact's 128 positions
+        """P."""
         seen.append(c)
-        return "done"
+        return "ok"
 
     async_client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
     settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
-    for model in (OpenAIResponsesModel(MODEL, async_client), OpenAIChatCompletionsModel(MODEL, async_client)):
+    for model, behavior in ((OpenAIResponsesModel(MODEL, async_client), "stop_on_first_tool"),
+                            (OpenAIChatCompletionsModel(MODEL, async_client), "run_llm_again")):
         seen.clear()
-        agent = Agent(name="a", instructions="Use tools.", tools=[paint], model=model, model_settings=settings)
-        result = Runner.run_sync(agent, "weather?", max_turns=3)
-        assert seen == ["red"] or seen == ["blue"], (model, seen)
+        agent = Agent(name="a", tools=[p], model=model, model_settings=settings, tool_use_behavior=behavior)
+        result = Runner.run_sync(agent, "?", max_turns=3)
+        assert seen == ["r"] or seen == ["b"], (model, seen)
         assert isinstance(result.final_output, str), model
+        if behavior == "stop_on_first_tool":
+            assert result.final_output == "ok"
+        else:  # the model's own text after the tool's result
+            assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item",
+                                                                "message_output_item"]
 
 
 THINK_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is false %}<think></think>"
-                  "{% endif %}{% endif %}")
+                  "{% elif enable_thinking is true %}<think>\n{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +172,7 @@ def thinking(tok_case, tmp_path_factory):
         yield running
 
 
-def test_reasoning_content_split_whole_streamed_and_as_a_responses_item(thinking):
+def test_reasoning_content_split_whole_streamed_and_as_responses_items(thinking):
     client = thinking.client()
     msgs = [{"role": "user", "content": "weather?"}]
     forced = {"guided_grammar": FORCED}
@@ -186,6 +196,18 @@ def test_reasoning_content_split_whole_streamed_and_as_a_responses_item(thinking
     bad = thinking.post("/v1/chat/completions", {"model": MODEL, "messages": msgs,
                                                  "chat_template_kwargs": {"messages": []}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    # a generation prompt that opens <think> (enable_thinking true here): the reply starts inside the
+    # thinking, which the length cuts: a reasoning item, streamed as reasoning_text deltas
+    kw = dict(model=MODEL, input="weather?", temperature=0, max_output_tokens=6,
+              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    whole = client.responses.create(**kw)
+    assert [item.type for item in whole.output] == ["reasoning", "message"] and whole.status == "incomplete"
+    assert whole.output[0].content[0].text and whole.output_text == ""
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 6
+    events = list(client.responses.create(stream=True, **kw))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == whole.output[0].content[0].text
+    assert events[-1].response.output[0].type == "reasoning"
 
 
 def test_constraint_applies_after_the_thinking_through_the_server(thinking):

@@ -68,7 +68,7 @@ def prepare(state: ServerState, body: bytes):
     for name in ("previous_response_id", "conversation"):
         if getattr(req, name) is not None:
             raise ApiError(400, f"{name}: {STATELESS}", param=name, code="unsupported_parameter")
-    converted = json.dumps(to_chat(req), ensure_ascii=False).encode()
+    converted = json.dumps(to_chat(req)).encode()  # ASCII: a lone surrogate stays an escape, as it came
     try:
         chat_req, group, prepared = chat.prepare(state, converted)
     except ApiError as exc:
@@ -142,7 +142,8 @@ def to_chat(req: RS.ResponsesRequest) -> dict:
     if kwargs:
         out["chat_template_kwargs"] = kwargs
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("parallel_tool_calls", "parallel_tool_calls"),
-                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
+                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
+                         ("stop", "stop")):
         if getattr(req, ours) is not None:
             out[theirs] = getattr(req, ours)
     return out
@@ -177,7 +178,9 @@ class ResponsesShape(Shape):
         self.seq = 0
         self.items: list[dict] = []  # finished output items, in order
         self.open: dict | None = None  # the item being streamed (reasoning or message), text so far
-        self.count = self.thinking = 0  # tokens generated; of them, tokens that carried reasoning
+        # tokens generated; of them, those before the answer began (the thinking's, when there was one)
+        self.count = self.thinking = 0
+        self.answered = self.thought = False
 
     # -- the response object ----------------------------------------------------------------
 
@@ -188,7 +191,8 @@ class ResponsesShape(Shape):
             prompt = len(handle.prompt_ids)
             usage = RS.ResponseUsage(input_tokens=prompt, output_tokens=self.count, total_tokens=prompt + self.count,
                                      input_tokens_details=RS.InputTokensDetails(cached_tokens=handle.cached_tokens),
-                                     output_tokens_details=RS.OutputTokensDetails(reasoning_tokens=self.thinking))
+                                     output_tokens_details=RS.OutputTokensDetails(
+                                         reasoning_tokens=self._reasoning_tokens()))
         tool_choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None \
             else req.tool_choice.model_dump()
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
@@ -204,6 +208,17 @@ class ResponsesShape(Shape):
             usage=usage, user=req.user)
         return body.model_dump(mode="json")
 
+    def _said(self, ev, piece: Piece) -> Piece:
+        """``piece`` (what ``ev`` made of the reply), counting the thinking's tokens: those generated
+        before any content or call (none when the reply never thought)."""
+        self.thought = self.thought or bool(piece.reasoning)
+        self.answered = self.answered or bool(piece.content or piece.calls)
+        self.thinking += not self.answered and ev.token_id >= 0
+        return piece
+
+    def _reasoning_tokens(self) -> int:
+        return self.thinking if self.thought else 0
+
     @staticmethod
     def _status(reason: str | None) -> str:
         return "completed" if finish(reason) == "stop" else "incomplete"
@@ -216,9 +231,7 @@ class ResponsesShape(Shape):
         reason = events[-1].finish_reason if events else "length"
         piece = Piece()
         for ev in events:
-            said = self.reply.feed(ev.text, ev.token_id)
-            self.thinking += bool(said.reasoning) and ev.token_id >= 0
-            piece += said
+            piece += self._said(ev, self.reply.feed(ev.text, ev.token_id))
         piece += self.reply.finish()
         status = self._status(reason)
         output = []
@@ -308,11 +321,9 @@ class ResponsesShape(Shape):
     def chunk(self, ev, handle=None) -> list[dict]:
         self._count([ev])
         last = ev.finish_reason is not None
-        piece = self.reply.feed(ev.text, ev.token_id)
+        piece = self._said(ev, self.reply.feed(ev.text, ev.token_id))
         if last:
             piece = piece + self.reply.finish()
-        if piece.reasoning and ev.token_id >= 0:
-            self.thinking += 1
         out = []
         if piece.reasoning:
             out += self._delta("reasoning", piece.reasoning)

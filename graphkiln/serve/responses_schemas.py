@@ -165,8 +165,9 @@ class ResponsesRequest(BaseModel):
     safety_identifier: Annotated[StrictStr, Field(max_length=256)] | None = None
     prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    # graphkiln extensions (the chat route's): top_k, seed, the template's own variables
+    # graphkiln extensions (the chat route's): top_k, seed, stop strings, the template's own variables
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop: S._Sampling.model_fields["stop"].annotation = None
     seed: Annotated[StrictInt, Field(ge=0, le=S.MAX_SEED)] | None = None
     chat_template_kwargs: S.JsonObject | None = None
 
