@@ -337,7 +337,7 @@ def verify_artifact(artifact: str | Path, reference: str, steps: int = 32, seed:
     if engine.manifest.embedding is not None:  # no logits: its pooled vectors against transformers' base model
         from graphkiln.export.verify_embeddings import verify_embeddings
 
-        return verify_embeddings(engine, reference, seed, atol)
+        return verify_embeddings(engine, reference, _refuse_auto_map, seed, atol)
     vision = engine.manifest.vision is not None
     # a GGUF or GPTQ/AWQ reference is its dequantized float weights, converted for the load (and kept
     # while the streamed reference reads them)

@@ -46,12 +46,13 @@ class EmbeddingVerifyReport:
                 f"{self.min_cosine:.7f} (need {self.min_cosine_bound:g}) -> {'PASS' if self.passed else 'FAIL'}")
 
 
-def verify_embeddings(engine, reference: str, seed: int = 0, atol: float | None = None) -> EmbeddingVerifyReport:
-    """Compare ``engine`` (an embedding artifact) with the checkpoint ``reference`` (module docstring)."""
+def verify_embeddings(engine, reference: str, refuse_auto_map, seed: int = 0,
+                      atol: float | None = None) -> EmbeddingVerifyReport:
+    """Compare ``engine`` (an embedding artifact) with the checkpoint ``reference`` (module docstring);
+    ``refuse_auto_map(reference, path)``: verify's refusal of a checkpoint that needs its own code."""
     import torch
 
     from graphkiln.export.checkpoint import prepared_checkpoint
-    from graphkiln.export.verify import _refuse_auto_map
 
     m = engine.manifest
     weights = m.model.quant or m.model.dtype
@@ -59,7 +60,7 @@ def verify_embeddings(engine, reference: str, seed: int = 0, atol: float | None 
         atol = DEFAULT_ATOL.get(weights, math.inf)
     pooling = m.embedding.pooling
     with prepared_checkpoint(reference) as path:
-        model = _load(reference, Path(path), _refuse_auto_map)
+        model = _load(reference, Path(path), refuse_auto_map)
         rng = np.random.default_rng(seed)
         worst_abs, worst_cos = 0.0, 1.0
         shapes = tuple(tuple(min(n, engine.max_seq_len - 1) for n in s) for s in BATCH_SHAPES)
