@@ -255,7 +255,7 @@ def test_schemathesis_fuzzes_the_route(srv):
     run = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
            checks.response_schema_conformance]
 
-    @settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+    @settings(max_examples=12, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy())
     def fuzz(case):
