@@ -183,7 +183,7 @@ def test_float64_weights_are_converted(llama_case, checkpoint_copy):
     torch.testing.assert_close(w, ref)
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "fp8", "hqq"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq"])
 def test_quantized_checkpoints_are_refused(llama_case, checkpoint_copy, out_dir, capsys, method):
     ckpt = checkpoint_copy(llama_case)
     edit_json(ckpt / "config.json", quantization_config={"quant_method": method, "bits": 4})
@@ -193,7 +193,8 @@ def test_quantized_checkpoints_are_refused(llama_case, checkpoint_copy, out_dir,
 
 @pytest.mark.parametrize("method, needle", [("gptq", "no checkpoint tensor is a '*.qweight'"),
                                             ("awq", "no checkpoint tensor is a '*.qweight'"),
-                                            ("compressed-tensors", "'config_groups' is missing")])
+                                            ("compressed-tensors", "'config_groups' is missing"),
+                                            ("fp8", "no checkpoint tensor is a '*.weight_scale_inv'")])
 def test_convertible_quant_methods_without_their_tensors_are_refused(llama_case, checkpoint_copy, out_dir, capsys,
                                                                      method, needle):
     """A config.json claiming a method graphkiln converts (tests/test_hf_quantized.py) over float weights."""
